@@ -1,0 +1,95 @@
+"""HiSparse configuration, parsed from the same JSON that SGLang's `--hisparse-config` takes.
+
+    HiSparseConfig.from_json('{"top_k": 2048, "device_buffer_size": 4096,'
+                             ' "host_to_device_ratio": 8, "swap_in_block_size": 960}')
+
+Defaults follow SGLang: top_k 2048, device_buffer_size 2 * top_k, host_to_device_ratio 2,
+swap_in_block_size 960. Every error names the offending field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping
+
+_DEFAULT_TOP_K = 2048
+_DEFAULT_HOST_TO_DEVICE_RATIO = 2
+_DEFAULT_SWAP_IN_BLOCK_SIZE = 960
+_MAX_SWAP_IN_BLOCK_SIZE = 1024  # a CUDA thread block's limit; SGLang enforces the same range
+
+
+class HiSparseConfigError(ValueError):
+    """A `--hisparse-config` value is malformed; the message names the field."""
+
+
+def _require_positive_int(name: str, value: Any) -> None:
+    # bool is an int subclass in Python; `true` in JSON must not pass as 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HiSparseConfigError(f"{name} must be an integer, got {value!r}")
+    if value <= 0:
+        raise HiSparseConfigError(f"{name} must be positive, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class HiSparseConfig:
+    """What HiSparse needs to size and run its buffers.
+
+    top_k: entries the indexer selects per step (the model's `index_topk`).
+    device_buffer_size: LRU slots per request per sparse layer on the device (B); >= top_k so a
+      step's misses always find victims.
+    host_to_device_ratio: host pool size relative to the device pool; sizes pinned host memory.
+    swap_in_block_size: SGLang's swap-in thread-block size; here it bounds the rows one copy
+      program moves (see pallas_kernels.swap_in), kept so SGLang settings carry over.
+    """
+
+    top_k: int = _DEFAULT_TOP_K
+    device_buffer_size: int = 2 * _DEFAULT_TOP_K
+    host_to_device_ratio: int = _DEFAULT_HOST_TO_DEVICE_RATIO
+    swap_in_block_size: int = _DEFAULT_SWAP_IN_BLOCK_SIZE
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            _require_positive_int(field.name, getattr(self, field.name))
+        if self.device_buffer_size < self.top_k:
+            raise HiSparseConfigError(
+                f"device_buffer_size ({self.device_buffer_size}) must be >= top_k ({self.top_k}):"
+                " a step's misses need that many evictable slots"
+            )
+        if self.swap_in_block_size > _MAX_SWAP_IN_BLOCK_SIZE:
+            raise HiSparseConfigError(
+                f"swap_in_block_size ({self.swap_in_block_size}) must be in [1, {_MAX_SWAP_IN_BLOCK_SIZE}]"
+            )
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "HiSparseConfig":
+        if not isinstance(values, Mapping):
+            raise HiSparseConfigError(
+                f"hisparse_config must be a JSON object, got {type(values).__name__}"
+            )
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise HiSparseConfigError(
+                f"unknown hisparse_config field(s) {unknown}; expected some of {sorted(known)}"
+            )
+        values = dict(values)
+        # SGLang's default buffer is twice the top_k the user gave, not twice the default top_k.
+        if "device_buffer_size" not in values and "top_k" in values:
+            _require_positive_int("top_k", values["top_k"])
+            values["device_buffer_size"] = 2 * values["top_k"]
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str | None) -> "HiSparseConfig":
+        """Parses `--hisparse-config`; None or an empty string gives the defaults."""
+        if text is None or not text.strip():
+            return cls()
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise HiSparseConfigError(f"hisparse_config is not valid JSON: {error}") from None
+        return cls.from_dict(values)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
