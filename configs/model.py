@@ -1,0 +1,423 @@
+"""DSAModelConfig: the architecture of a DeepSeek-Sparse-Attention model, frozen and validated.
+
+Two Hugging Face model types are supported, with the semantics of transformers 5.24.0:
+  deepseek_v32  DeepSeek-V3.2: every layer runs its own lightning indexer, whose RoPE is the
+                half-split (non-interleaved) form; YaRN RoPE.
+  glm_moe_dsa   GLM-5.x: `indexer_types` marks layers "full" (own indexer) or "shared" (reuse
+                the previous full layer's top-k); the indexer's RoPE is interleaved.
+
+    DSAModelConfig.deepseek_v32()          # real sizes, from the public config.json files
+    DSAModelConfig.from_hf_config(path)    # a checkpoint's config.json (file, dir or dict)
+    DSAModelConfig.tiny()                  # test sizes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any, Mapping
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+_ROPE_TYPES = ("default", "yarn")
+
+
+class UnsupportedModelError(ValueError):
+    """A config.json describes a model or a feature this package does not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """RoPE frequencies (transformers `rope_parameters`); only theta matters for "default"."""
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0  # YaRN: context extension factor
+    original_max_position_embeddings: int = 4096  # YaRN: pretraining context
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # YaRN cos/sin scale; derived from mscale when None
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.rope_type not in _ROPE_TYPES:
+            raise UnsupportedModelError(f"rope_type {self.rope_type!r} is not supported; use one of {_ROPE_TYPES}")
+        if self.theta <= 0:
+            raise ValueError(f"{self.theta=} must be positive")
+        if self.rope_type == "yarn" and self.factor <= 0:
+            raise ValueError(f"{self.factor=} must be positive for YaRN")
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DSAModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # dense MLP layers
+    moe_intermediate_size: int  # each routed / shared expert
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int  # the latent: value part of each KV row
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    mlp_layer_types: tuple[str, ...]  # per layer: "dense" or "sparse" (MoE)
+    indexer_types: tuple[str, ...]  # per layer: "full" or "shared"
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    indexer_rope_interleave: bool  # False: half-split RoPE (DeepSeek), True: interleaved (GLM)
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0  # MTP layers stored after the model's layers; not loaded
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {self.model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}"
+            )
+        for name in (
+            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_layers",
+            "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+            "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group",
+            "index_n_heads", "index_head_dim", "index_topk", "max_position_embeddings",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.n_shared_experts < 0 or self.num_nextn_predict_layers < 0:
+            raise ValueError(f"{self.n_shared_experts=} and {self.num_nextn_predict_layers=} must be >= 0")
+        for name, allowed in (("mlp_layer_types", ("dense", "sparse")), ("indexer_types", ("full", "shared"))):
+            types = getattr(self, name)
+            if len(types) != self.num_layers:
+                raise ValueError(f"{name} has {len(types)} entries, expected num_layers={self.num_layers}")
+            if bad := sorted(set(types) - set(allowed)):
+                raise ValueError(f"{name} holds {bad}; allowed values are {allowed}")
+        if self.indexer_types[0] != "full":
+            raise ValueError("indexer_types[0] must be 'full': a shared layer reuses an earlier full layer")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"{self.qk_rope_head_dim=} must be even (RoPE rotates pairs)")
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ValueError(f"{self.index_head_dim=} must be >= {self.qk_rope_head_dim=}")
+        if self.n_routed_experts % self.n_group:
+            raise ValueError(f"{self.n_routed_experts=} must be divisible by {self.n_group=}")
+        if self.n_routed_experts // self.n_group < 2:
+            # The reference scores a group by the sum of its two best experts.
+            raise ValueError(f"each of {self.n_group=} expert groups needs >= 2 experts")
+        if not self.topk_group <= self.n_group:
+            raise ValueError(f"{self.topk_group=} must be <= {self.n_group=}")
+        if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
+            raise ValueError(f"{self.num_experts_per_tok=} exceeds the experts of {self.topk_group=} groups")
+
+    # ---- derived sizes -------------------------------------------------------------------------
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_row_width(self) -> int:
+        """Elements of an absorbed-MLA KV row: latent then rotated rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """MLA logit scale: qk_head_dim^-0.5, times YaRN's mscale(mscale_all_dim)^2 when set."""
+        scale = self.qk_head_dim**-0.5
+        if self.rope.rope_type != "default" and self.rope.mscale_all_dim:
+            mscale = yarn_get_mscale(self.rope.factor, self.rope.mscale_all_dim)
+            scale = scale * mscale * mscale
+        return scale
+
+    @property
+    def full_indexer_layers(self) -> tuple[int, ...]:
+        """Layers that run their own indexer, in order; their keys fill the indexer cache."""
+        return tuple(i for i, t in enumerate(self.indexer_types) if t == "full")
+
+    def indexer_cache_index(self, layer: int) -> int:
+        """Row of the indexer key cache [L_full, ...] that full layer `layer` owns."""
+        return self.full_indexer_layers.index(layer)
+
+    def anchor_layer(self, layer: int) -> int:
+        """The full layer whose top-k `layer` uses: itself if full, else the previous full one."""
+        return max(i for i in self.full_indexer_layers if i <= layer)
+
+    # ---- construction --------------------------------------------------------------------------
+
+    def replace(self, **changes) -> "DSAModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "DSAModelConfig":
+        """Inverse of to_dict (e.g. the copy stored next to converted params)."""
+        values = dict(values)
+        values["rope"] = RopeConfig(**values["rope"])
+        for name in ("mlp_layer_types", "indexer_types"):
+            values[name] = tuple(values[name])
+        return cls(**values)
+
+    @classmethod
+    def from_hf_config(cls, source: str | os.PathLike | Mapping[str, Any]) -> "DSAModelConfig":
+        """From a Hugging Face config.json: a dict, the file, or the checkpoint directory.
+
+        Missing fields take the defaults of transformers' config class for the model type, as
+        `from_pretrained` would.
+        """
+        if isinstance(source, Mapping):
+            raw = dict(source)
+        else:
+            path = os.fspath(source)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            try:
+                with open(path) as f:
+                    raw = json.load(f)
+            except FileNotFoundError:
+                raise FileNotFoundError(f"no config.json at {path}") from None
+            except (OSError, json.JSONDecodeError) as error:
+                raise ValueError(f"cannot read model config {path}: {error}") from None
+            if not isinstance(raw, dict):
+                raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+        return _from_hf_dict(raw)
+
+    # ---- named configs -------------------------------------------------------------------------
+
+    @classmethod
+    def deepseek_v32(cls) -> "DSAModelConfig":
+        """deepseek-ai/DeepSeek-V3.2 (config.json of the -Exp and final releases)."""
+        return cls.from_hf_config(
+            dict(
+                model_type="deepseek_v32", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+                num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, n_shared_experts=1,
+                num_experts_per_tok=8, n_group=8, topk_group=4, norm_topk_prob=True,
+                routed_scaling_factor=2.5, first_k_dense_replace=3, index_n_heads=64,
+                index_head_dim=128, index_topk=2048, rms_norm_eps=1e-6, max_position_embeddings=163840,
+                rope_theta=10000,
+                rope_scaling=dict(
+                    type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
+                    beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+                ),
+                num_nextn_predict_layers=1, tie_word_embeddings=False,
+            )
+        )  # fmt: skip
+
+    @classmethod
+    def glm_5_1(cls) -> "DSAModelConfig":
+        """zai-org/GLM-5.1 (GLM-5 architecture): every layer runs its indexer."""
+        return cls.from_hf_config(
+            dict(
+                _GLM5_COMMON,
+                max_position_embeddings=202752,
+                rope_parameters=dict(rope_type="default", rope_theta=1000000.0),
+            )
+        )
+
+    @classmethod
+    def glm_5_2(cls) -> "DSAModelConfig":
+        """zai-org/GLM-5.2: IndexShare, a full indexer every 4th layer from layer 2 (21 of 78)."""
+        return cls.from_hf_config(
+            dict(
+                _GLM5_COMMON,
+                max_position_embeddings=1048576,
+                rope_parameters=dict(rope_type="default", rope_theta=8000000.0),
+                index_topk_freq=4,
+                index_skip_topk_offset=3,
+            )
+        )
+
+    @classmethod
+    def tiny(cls) -> "DSAModelConfig":
+        """DeepSeek-style test model: the dims of tests/fixtures/deepseek_v32_tiny."""
+        return cls.from_hf_config(
+            dict(
+                model_type="deepseek_v32", vocab_size=512, hidden_size=64, intermediate_size=128,
+                moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, q_lora_rank=48,
+                kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                routed_scaling_factor=2.5, first_k_dense_replace=1, index_n_heads=4, index_head_dim=32,
+                index_topk=16, max_position_embeddings=512, rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            )
+        )  # fmt: skip
+
+    @classmethod
+    def tiny_glm(cls) -> "DSAModelConfig":
+        """GLM-style test model: shared indexer layers (full, full, shared, full, shared), YaRN."""
+        return cls.from_hf_config(
+            dict(
+                model_type="glm_moe_dsa", vocab_size=384, hidden_size=64, intermediate_size=96,
+                moe_intermediate_size=32, num_hidden_layers=5, num_attention_heads=4, q_lora_rank=32,
+                kv_lora_rank=32, qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=32,
+                n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+                routed_scaling_factor=2.5, first_k_dense_replace=2, index_n_heads=2, index_head_dim=16,
+                index_topk=8, index_topk_freq=2, index_skip_topk_offset=2, max_position_embeddings=256,
+                rope_parameters=dict(
+                    rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+                    mscale=1.0, mscale_all_dim=1.0,
+                ),
+            )
+        )  # fmt: skip
+
+
+_GLM5_COMMON = dict(
+    model_type="glm_moe_dsa", vocab_size=154880, hidden_size=6144, intermediate_size=12288,
+    moe_intermediate_size=2048, num_hidden_layers=78, num_attention_heads=64, num_key_value_heads=64,
+    q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
+    n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1,
+    norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=3, index_n_heads=32,
+    index_head_dim=128, index_topk=2048, indexer_rope_interleave=True, rms_norm_eps=1e-5,
+    num_nextn_predict_layers=1, tie_word_embeddings=False,
+)  # fmt: skip
+
+# transformers 5.24.0 config-class defaults, applied to fields a config.json leaves out.
+_HF_DEFAULTS = {
+    "deepseek_v32": dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, n_shared_experts=1, n_routed_experts=256,
+        routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+        v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
+        norm_topk_prob=True, max_position_embeddings=163840, rms_norm_eps=1e-6, index_topk=2048,
+        index_head_dim=128, index_n_heads=64, first_k_dense_replace=3,
+    ),
+    "glm_moe_dsa": dict(
+        vocab_size=154880, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
+        num_hidden_layers=78, num_attention_heads=64, n_shared_experts=1, n_routed_experts=256,
+        routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=2048, qk_rope_head_dim=64,
+        v_head_dim=256, qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=8,
+        norm_topk_prob=True, max_position_embeddings=202752, rms_norm_eps=1e-5, index_topk=2048,
+        index_head_dim=128, index_n_heads=32, first_k_dense_replace=3,
+    ),
+}  # fmt: skip
+
+
+def _from_hf_dict(raw: dict[str, Any]) -> DSAModelConfig:
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; use one of {SUPPORTED_MODEL_TYPES}"
+        )
+    if "q_lora_rank" in raw and raw["q_lora_rank"] is None:
+        raise UnsupportedModelError("q_lora_rank null (no query LoRA) is not supported")
+    c = dict(_HF_DEFAULTS[model_type])
+    c.update({k: v for k, v in raw.items() if v is not None})
+
+    # Features the reference has but no released DSA checkpoint uses are refused, not guessed.
+    if c.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"hidden_act {c['hidden_act']!r} is not supported; only 'silu'")
+    for flag in ("attention_bias", "mlp_bias"):
+        if c.get(flag, False):
+            raise UnsupportedModelError(f"{flag}=true is not supported")
+    if c.get("scoring_func", "sigmoid") != "sigmoid":
+        raise UnsupportedModelError(f"scoring_func {c['scoring_func']!r} is not supported; only 'sigmoid'")
+    heads = c["num_attention_heads"]
+    if c.get("num_key_value_heads", heads) != heads:
+        raise UnsupportedModelError(f"MLA needs num_key_value_heads == num_attention_heads ({heads})")
+
+    layers = c["num_hidden_layers"]
+    mlp_types = c.get("mlp_layer_types")
+    if mlp_types is None:
+        n_dense = min(c["first_k_dense_replace"], layers)
+        mlp_types = ["dense"] * n_dense + ["sparse"] * (layers - n_dense)
+
+    if model_type == "glm_moe_dsa":
+        indexer_types = c.get("indexer_types")
+        if indexer_types is None:
+            pattern = c.get("index_topk_pattern")
+            if pattern is not None:
+                if isinstance(pattern, str):
+                    if bad := sorted(set(pattern) - {"F", "S"}):
+                        raise ValueError(f"index_topk_pattern holds {bad}; use 'F' (full) and 'S' (shared)")
+                    indexer_types = [{"F": "full", "S": "shared"}[ch] for ch in pattern]
+                else:
+                    indexer_types = list(pattern)
+            else:
+                freq = max(c.get("index_topk_freq", 1), 1)
+                offset = c.get("index_skip_topk_offset", 2)
+                indexer_types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+        interleave_default = True
+    else:
+        indexer_types = ["full"] * layers  # deepseek_v32 has no index sharing
+        interleave_default = False
+
+    return DSAModelConfig(
+        model_type=model_type,
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        moe_intermediate_size=c["moe_intermediate_size"],
+        num_layers=layers,
+        num_heads=heads,
+        q_lora_rank=c["q_lora_rank"],
+        kv_lora_rank=c["kv_lora_rank"],
+        qk_nope_head_dim=c["qk_nope_head_dim"],
+        qk_rope_head_dim=c["qk_rope_head_dim"],
+        v_head_dim=c["v_head_dim"],
+        n_routed_experts=c.get("num_experts", c["n_routed_experts"]),
+        n_shared_experts=c["n_shared_experts"],
+        num_experts_per_tok=c["num_experts_per_tok"],
+        n_group=c["n_group"],
+        topk_group=c["topk_group"],
+        norm_topk_prob=bool(c["norm_topk_prob"]),
+        routed_scaling_factor=float(c["routed_scaling_factor"]),
+        mlp_layer_types=tuple(mlp_types),
+        indexer_types=tuple(indexer_types),
+        index_n_heads=c["index_n_heads"],
+        index_head_dim=c["index_head_dim"],
+        index_topk=c["index_topk"],
+        indexer_rope_interleave=bool(c.get("indexer_rope_interleave", interleave_default)),
+        rms_norm_eps=float(c["rms_norm_eps"]),
+        rope=_rope_from_hf(c),
+        max_position_embeddings=c["max_position_embeddings"],
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        num_nextn_predict_layers=c.get("num_nextn_predict_layers", 0),
+    )
+
+
+def _rope_from_hf(c: Mapping[str, Any]) -> RopeConfig:
+    """transformers' RoPE standardisation: `rope_parameters`, else legacy `rope_scaling` + `rope_theta`."""
+    params = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return RopeConfig(rope_type="default", theta=theta)
+    if rope_type != "yarn":
+        raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported; use one of {_ROPE_TYPES}")
+    original = params.get("original_max_position_embeddings", c["max_position_embeddings"])
+    factor = params.get("factor")
+    if factor is None:
+        factor = c["max_position_embeddings"] / original
+    return RopeConfig(
+        rope_type="yarn",
+        theta=theta,
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        attention_factor=params.get("attention_factor"),
+        truncate=bool(params.get("truncate", True)),
+    )

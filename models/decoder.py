@@ -1,0 +1,145 @@
+"""The DSA decoder (DeepSeek-V3.2, GLM-5.x): modules and the prompt-side forward.
+
+Letters: B sequences, T tokens, D hidden, V vocab, H heads, W KV row width, I index_head_dim,
+K top-k entries, J full-indexer layers.
+
+Module and attribute names follow the Hugging Face checkpoints (`model.layers.3.self_attn.
+indexer.wk.weight` is `model.layers[3].self_attn.indexer.wk.weight`), which is all the loader
+needs to map tensors. The modules hold weights only; the prompt forward below returns what the
+caches need (each layer's KV rows, indexer keys, top-k) instead of writing any cache itself.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from configs.model import DSAModelConfig
+from models import rope
+from models.indexer import index_scores, select_topk
+from models.layers import MLP, Linear, RMSNorm
+from models.mla import MLAttention, sparse_attention
+from models.moe import MoE
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (vocab_size, hidden_size), jnp.float32).astype(dtype))  # [V, D]
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        # tokens i32[...] -> [..., D]
+        return jnp.take(self.weight[...], tokens, axis=0)
+
+
+class PrefillOutput(NamedTuple):
+    hidden: jax.Array  # [T, D]: the layer's output
+    rows: jax.Array  # [T, W]: KV row of every token (latent, rotated k_rope), in the param dtype
+    index_keys: jax.Array | None  # [T, I]: indexer keys, None on a shared-indexer layer
+    topk: jax.Array  # i32[T, K]: positions each query attended to, -1 padding
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: DSAModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        self.config = config
+        self.layer = layer
+        self.self_attn = MLAttention(config, layer, dtype=dtype, rngs=rngs)
+        if config.mlp_layer_types[layer] == "sparse":
+            self.mlp = MoE(config, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+    def finish(self, h: jax.Array, attn: jax.Array) -> jax.Array:
+        """h [T, D] (layer input), attn f32[T, H, A] (attention over latents) -> layer output [T, D]."""
+        h = h + self.self_attn.output(attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def prefill(self, h: jax.Array, anchor_topk: jax.Array | None, *, chunk: int) -> PrefillOutput:
+        """One sequence through this layer, positions 0..T-1, `chunk` queries at a time.
+
+        h [T, D] with T a multiple of chunk (tokens past the prompt are padding: they come after
+        every real token, so causality keeps them out of real queries). anchor_topk i32[T, K]:
+        the anchor full layer's selection, for a shared-indexer layer. Peak memory per chunk is
+        O(chunk x T), never T x T.
+        """
+        config, attn = self.config, self.self_attn
+        T = h.shape[0]
+        positions = jnp.arange(T, dtype=jnp.int32)  # i32[T]
+        x = self.input_layernorm(h)
+        cos, sin = rope.cos_sin(config.rope, config.qk_rope_head_dim, positions)
+        proj = attn.project(x, cos, sin)
+        rows = jnp.concatenate([proj.latent, proj.k_rope], axis=-1)  # [T, W]
+        index_keys = None
+        per_query = {"h": h, "positions": positions, "query": proj.query}
+        if attn.indexer is not None:
+            index_keys = attn.indexer.keys(x, cos, sin)  # [T, I]
+            per_query["iq"], per_query["iw"] = attn.indexer.queries(x, proj.q_resid, cos, sin)
+        else:
+            per_query["topk"] = anchor_topk
+
+        def one_chunk(c):
+            if attn.indexer is not None:
+                allowed = positions[None, :] <= c["positions"][:, None]  # bool[chunk, T]
+                topk = select_topk(index_scores(c["iq"], c["iw"], index_keys), allowed, config.index_topk)
+            else:
+                topk = c["topk"]
+            out = sparse_attention(c["query"], rows, topk, sm_scale=config.softmax_scale, latent_dim=config.kv_lora_rank)
+            return self.finish(c["h"], out), topk
+
+        chunks = jax.tree.map(lambda a: a.reshape(T // chunk, chunk, *a.shape[1:]), per_query)
+        hidden, topk = jax.lax.map(one_chunk, chunks)
+        return PrefillOutput(hidden.reshape(T, -1), rows, index_keys, topk.reshape(T, -1))
+
+
+class DSAForCausalLM(nnx.Module):
+    """DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM weights (HF `model.*` and `lm_head`)."""
+
+    def __init__(self, config: DSAModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        tied = config.tie_word_embeddings
+        self.lm_head = None if tied else Linear(config.hidden_size, config.vocab_size, dtype=dtype, rngs=rngs)
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.weight.dtype
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """h [..., D] (last layer's output) -> f32[..., V]."""
+        h = self.norm(h)
+        if self.lm_head is None:
+            return jnp.einsum("...d,vd->...v", h, self.embed_tokens.weight[...], precision=jax.lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32)  # fmt: skip
+        return self.lm_head(h).astype(jnp.float32)
+
+
+def forward(model: DSAForCausalLM, tokens: jax.Array, *, chunk: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Full no-cache forward, as transformers runs it: tokens i32[B, T] ->
+    (logits f32[B, T, V], top-k i32[J, B, T, K] of every full-indexer layer, -1 padded).
+
+    T must be a multiple of `chunk` (default: one chunk).
+    """
+    T = tokens.shape[1]
+    chunk = chunk or T
+    if T % chunk:
+        raise ValueError(f"{T=} must be a multiple of {chunk=}")
+
+    def one_sequence(seq):
+        h = model.embed_tokens(seq)  # [T, D]
+        anchor, topks = None, []
+        for layer in model.layers:
+            out = layer.prefill(h, anchor, chunk=chunk)
+            h = out.hidden
+            if out.index_keys is not None:
+                anchor = out.topk
+                topks.append(out.topk)
+        return model.logits(h), jnp.stack(topks)
+
+    logits, topk = jax.lax.map(one_sequence, tokens)  # ragged_dot (MoE) has no batching rule
+    return logits, jnp.moveaxis(topk, 1, 0)

@@ -1,0 +1,90 @@
+"""Multi-head latent attention (MLA) in absorbed form, and the sparse attention it feeds.
+
+Letters: T tokens, S stored rows (positions), D hidden, Q q_lora_rank, H heads,
+N qk_nope_head_dim, P qk_rope_head_dim, A kv_lora_rank (latent), V v_head_dim,
+W = A + P row width, K top-k entries.
+
+Absorbed form: q_nope . (W_UK latent) = (W_UK^T q_nope) . latent, so each head's query becomes
+a W-wide vector against the shared KV row [latent, rotated k_rope], and the value is the latent,
+lifted per head by W_UV after the attention. Prefill and decode both use it, so a row written at
+prefill is read by decode exactly as a freshly computed one would be. transformers computes the
+same logits through expanded keys; the two agree to float32 round-off.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from configs.model import DSAModelConfig
+from models import rope
+from models.indexer import Indexer
+from models.layers import Linear, RMSNorm, einsum
+
+
+class MLAProjection(NamedTuple):
+    q_resid: jax.Array  # [T, Q]: normed query LoRA, shared with the indexer
+    query: jax.Array  # [T, H, W]: absorbed query, latent part then rotated rope part
+    latent: jax.Array  # [T, A]: kv_a_layernorm(latent), the value part of the KV row
+    k_rope: jax.Array  # [T, P]: rotated rope key
+
+
+class MLAttention(nnx.Module):
+    def __init__(self, config: DSAModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        self.num_heads = config.num_heads
+        self.nope_dim = config.qk_nope_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.latent_dim = config.kv_lora_rank
+        self.v_dim = config.v_head_dim
+        H, A, P = config.num_heads, config.kv_lora_rank, config.qk_rope_head_dim
+        self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank, dtype=dtype, rngs=rngs)  # [Q, D]
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6, dtype=dtype)  # eps fixed in the reference
+        self.q_b_proj = Linear(config.q_lora_rank, H * config.qk_head_dim, dtype=dtype, rngs=rngs)  # [H*(N+P), Q]
+        self.kv_a_proj_with_mqa = Linear(config.hidden_size, A + P, dtype=dtype, rngs=rngs)  # [A+P, D]
+        self.kv_a_layernorm = RMSNorm(A, 1e-6, dtype=dtype)
+        self.kv_b_proj = Linear(A, H * (self.nope_dim + self.v_dim), dtype=dtype, rngs=rngs)  # [H*(N+V), A]
+        self.o_proj = Linear(H * self.v_dim, config.hidden_size, dtype=dtype, rngs=rngs)  # [D, H*V]
+        full = config.indexer_types[layer] == "full"
+        self.indexer = Indexer(config, dtype=dtype, rngs=rngs) if full else None
+
+    def _kv_b(self) -> tuple[jax.Array, jax.Array]:
+        """(W_UK [H, N, A], W_UV [H, V, A]) from kv_b_proj."""
+        w = self.kv_b_proj.weight[...].reshape(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> MLAProjection:
+        """x [T, D] (normed hidden), cos/sin f32[T, P/2] -> queries and this step's KV row parts."""
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [T, Q]
+        q = self.q_b_proj(q_resid).reshape(*x.shape[:-1], self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q[..., : self.nope_dim], q[..., self.nope_dim :]  # [T, H, N], [T, H, P]
+        q_rope = rope.apply_interleaved(q_rope, cos[..., None, :], sin[..., None, :])
+        w_uk, _ = self._kv_b()
+        q_latent = einsum("thn,hna->tha", q_nope, w_uk).astype(q.dtype)  # [T, H, A]
+        query = jnp.concatenate([q_latent, q_rope], axis=-1)  # [T, H, W]
+
+        kv = self.kv_a_proj_with_mqa(x)  # [T, A+P]
+        latent = self.kv_a_layernorm(kv[..., : self.latent_dim])  # [T, A]
+        k_rope = rope.apply_interleaved(kv[..., self.latent_dim :], cos, sin)  # [T, P]
+        return MLAProjection(q_resid, query, latent, k_rope)
+
+    def output(self, attn: jax.Array) -> jax.Array:
+        """attn f32[T, H, A] (softmax-weighted latents) -> [T, D] through W_UV and o_proj."""
+        _, w_uv = self._kv_b()
+        o = einsum("tha,hva->thv", attn, w_uv.astype(jnp.float32))  # f32[T, H, V]
+        return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.v_dim))
+
+
+def sparse_attention(query: jax.Array, rows: jax.Array, topk: jax.Array, *, sm_scale: float, latent_dim: int) -> jax.Array:
+    """Attention of each query over its selected rows, f32 softmax.
+
+    query [T, H, W], rows [S, W], topk i32[T, K] (row index, -1 padding; each query selects at
+    least one row) -> f32[T, H, A].
+    """
+    picked = jnp.take(rows, jnp.maximum(topk, 0), axis=0).astype(jnp.float32)  # f32[T, K, W]
+    logits = einsum("thw,tkw->thk", query.astype(jnp.float32), picked) * sm_scale
+    logits = jnp.where((topk >= 0)[:, None, :], logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)  # f32[T, H, K]
+    return einsum("thk,tka->tha", probs, picked[..., :latent_dim])
