@@ -179,3 +179,14 @@ def state_shardings(state):
         return memory.sharding(kind, device)
 
     return jax.tree_util.tree_map_with_path(one, state)
+
+
+def jit_donating_state(fn, state, *, extra_outputs: int = 0, **jit_kwargs):
+    """jax.jit of `fn(state, ...) -> state` (or `(state, *extras)` with extra_outputs > 0).
+
+    The state (first argument) is donated, so kernels update its buffers in place, and the
+    output keeps the host pool in pinned_host memory (see state_shardings).
+    """
+    shardings = state_shardings(state)
+    out_shardings = shardings if extra_outputs == 0 else (shardings,) + (None,) * extra_outputs
+    return jax.jit(fn, donate_argnums=0, out_shardings=out_shardings, **jit_kwargs)

@@ -44,7 +44,6 @@ class PrefillOutput(NamedTuple):
 class DecoderLayer(nnx.Module):
     def __init__(self, config: DSAModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
         self.config = config
-        self.layer = layer
         self.self_attn = MLAttention(config, layer, dtype=dtype, rngs=rngs)
         if config.mlp_layer_types[layer] == "sparse":
             self.mlp = MoE(config, dtype=dtype, rngs=rngs)

@@ -1,0 +1,114 @@
+"""Shared plumbing of the Pallas kernels: implementation choice and masked gather/scatter.
+
+Each public op takes `implementation=`:
+  "reference": the plain jnp function a reader checks line by line against the contract;
+  "pallas":    the Pallas kernel (Triton lowering on GPU, `interpret=True` elsewhere);
+  None:        "pallas" on GPU, "reference" elsewhere (interpret mode is for testing, not speed).
+A named implementation runs or raises; it never silently falls back.
+
+The Triton lowering and the CPU interpreter disagree in three places this module hides:
+  * a masked-off lane of a gather/scatter must not touch memory. On GPU the mask does that; the
+    interpreter lowers to XLA gather/scatter, which clamps a negative index and would let a
+    masked lane write back a stale value. Masked lanes therefore get the index one past the
+    end, which XLA's scatter drops and the GPU never dereferences.
+  * the interpreter has no masked atomics (and its unmasked atomic scatter is not atomic for
+    duplicate indices), so atomic-min is emulated with a per-row read-modify-write there.
+  * `debug_barrier` (a CTA-wide barrier, which also orders global memory within the program)
+    has no interpreter rule; the interpreter runs a program sequentially and needs none.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+IMPLEMENTATIONS = ("reference", "pallas")
+
+
+def resolve_implementation(implementation: str | None) -> str:
+    if implementation is None:
+        return "pallas" if on_gpu() else "reference"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
+    return implementation
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def interpret_mode() -> bool:
+    """Pallas kernels run through the CPU interpreter wherever there is no GPU."""
+    return not on_gpu()
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def power_of_2_pieces(width: int) -> list[tuple[int, int]]:
+    """(start, size) pieces of power-of-two size covering [0, width).
+
+    Triton tensors must have power-of-two sizes; a 576-wide row is moved as 512 + 64.
+    """
+    pieces, start = [], 0
+    for bit in reversed(range(width.bit_length())):
+        size = 1 << bit
+        if width & size:
+            pieces.append((start, size))
+            start += size
+    return pieces
+
+
+def safe_index(index: jax.Array, mask: jax.Array, size: int) -> jax.Array:
+    """`index` where `mask`, else one past the end (see the module docstring)."""
+    return jnp.where(mask, index, size)
+
+
+def gather(ref, indices: tuple, mask: jax.Array, other) -> jax.Array:
+    """Masked load of ref[indices]; masked-off lanes read nothing and yield `other`."""
+    return plgpu.load(ref.at[indices], mask=mask, other=other)
+
+
+def scatter(ref, indices: tuple, value: jax.Array, mask: jax.Array) -> None:
+    """Masked store to ref[indices]; indices of masked-off lanes must come from safe_index."""
+    plgpu.store(ref.at[indices], value, mask=mask)
+
+
+def scatter_min(ref, row, column: jax.Array, value: jax.Array, mask: jax.Array, interpret: bool) -> None:
+    """ref[row, column[i]] = min(ref[row, column[i]], value[i]) where mask[i], atomically."""
+    column = safe_index(column, mask, ref.shape[1])
+    if interpret:
+        ref[row, :] = ref[row, :].at[column].min(value, mode="drop")
+    else:
+        plgpu.atomic_min(ref, (row, column), value, mask=mask)
+
+
+def barrier(interpret: bool) -> None:
+    """Orders this program's global-memory writes before its later reads (bar.sync)."""
+    if not interpret:
+        plgpu.debug_barrier()
+
+
+def any_spec():
+    """A whole operand left where it is (HBM or pinned host); the kernel indexes it itself."""
+    return pl.BlockSpec(memory_space=pl.ANY)
+
+
+def triton_params(num_warps: int = 4, num_stages: int = 1):
+    """Launch shape of a Triton-lowered kernel (ignored by the interpreter)."""
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def row_block(leading: tuple, rows: jax.Array, offset: int, size: int, interpret: bool) -> tuple:
+    """Index of the block ref[*leading, rows[i], offset:offset + size] -> shape [len(rows), size].
+
+    The Triton lowering takes a contiguous slice for the last axis (vectorised loads); the
+    interpreter cannot mix slices with index arrays, so there the columns become an index array.
+    """
+    if interpret:
+        columns = offset + jnp.arange(size, dtype=jnp.int32)
+        return (*leading, rows[:, None], columns[None, :])
+    return (*leading, rows, pl.ds(offset, size))

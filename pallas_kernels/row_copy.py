@@ -1,0 +1,172 @@
+"""Row copies between the pinned host pool and the device: swap-in, plan replay, backup.
+
+  copy_host_rows_to_buffer: host pool -> device buffer, the rows a swap-in plan names. Used by
+    the swap-in of a layer and, unchanged, by shared-index layers replaying their anchor's plan.
+  write_rows_to_host: device rows -> host pool slots, in place. Used by the eager backup of the
+    newest token and by prefill's direct-to-host writes.
+
+On GPU both kernels address the pinned host pool directly (UVA over PCIe): no staging copy of
+the pool exists; benchmarks/bench_kernels.py asserts the compiled HLO holds none. Rows move as
+opaque `W`-wide arrays, split into power-of-two pieces (Triton's rule): 576 = 512 + 64.
+
+Shape letters: L layers, R requests, K plan entries, S host pool rows, N rows to write,
+W row width, B1 = B + 1 device slots per request.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from hisparse_jax import memory
+from pallas_kernels import common
+
+DEFAULT_ROWS_PER_PROGRAM = 16
+
+
+def _stage_on_device(x: jax.Array) -> jax.Array:
+    """Reference-only: a device copy of a host array (XLA cannot gather from pinned host on GPU)."""
+    return jax.device_put(x, memory.sharding(memory.DEVICE))
+
+
+# --------------------------------------------------------------------------------------------
+# host pool -> device buffer
+# --------------------------------------------------------------------------------------------
+
+
+def copy_host_rows_to_buffer_reference(pool, device_buffer, layer, miss_host, miss_device, num_misses):
+    # pool: row[L, S, W]; device_buffer: row[L, R, B1, W]; miss_*: i32[R, K]; num_misses: i32[R]
+    R, K = miss_host.shape
+    take = jnp.arange(K)[None, :] < num_misses[:, None]  # bool[R, K]
+    rows = _stage_on_device(pool)[layer][jnp.where(take, miss_host, 0)]  # row[R, K, W]
+    request = jnp.broadcast_to(jnp.arange(R)[:, None], (R, K))
+    slot = jnp.where(take, miss_device, device_buffer.shape[2])  # dropped where not taken
+    return device_buffer.at[layer, request, slot].set(rows, mode="drop")
+
+
+def _copy_host_rows_kernel(
+    layer_ref,  # i32[1]
+    num_misses_ref,  # i32[R]
+    miss_host_ref,  # i32[R, K]
+    miss_device_ref,  # i32[R, K]
+    pool_ref,  # row[L, S, W], pinned host
+    _buffer_in,  # aliased to buffer_ref
+    buffer_ref,  # row[L, R, B1, W] in/out
+    *,
+    rows: int,
+    interpret: bool,
+):
+    r, chunk = pl.program_id(0), pl.program_id(1)
+    K, S, B1 = miss_host_ref.shape[1], pool_ref.shape[1], buffer_ref.shape[2]
+    num = num_misses_ref[r]
+    start = chunk * rows
+
+    @pl.when(start < num)
+    def _copy():
+        i = start + jnp.arange(rows, dtype=jnp.int32)
+        take = i < num
+        safe_i = common.safe_index(i, take, K)
+        src = common.gather(miss_host_ref, (r, safe_i), take, 0)
+        dst = common.gather(miss_device_ref, (r, safe_i), take, 0)
+        src = common.safe_index(src, take, S)
+        dst = common.safe_index(dst, take, B1)
+        layer = layer_ref[0]
+        for offset, size in common.power_of_2_pieces(pool_ref.shape[2]):
+            mask = jnp.broadcast_to(take[:, None], (rows, size))
+            values = common.gather(pool_ref, common.row_block((layer,), src, offset, size, interpret), mask, 0)
+            common.scatter(buffer_ref, common.row_block((layer, r), dst, offset, size, interpret), values, mask)
+
+
+def copy_host_rows_to_buffer_pallas(
+    pool, device_buffer, layer, miss_host, miss_device, num_misses, *, rows=DEFAULT_ROWS_PER_PROGRAM, num_warps=4
+):
+    R, K = miss_host.shape
+    return pl.pallas_call(
+        functools.partial(_copy_host_rows_kernel, rows=rows, interpret=common.interpret_mode()),
+        out_shape=jax.ShapeDtypeStruct(device_buffer.shape, device_buffer.dtype),
+        grid=(R, pl.cdiv(K, rows)),
+        in_specs=[common.any_spec()] * 6,
+        out_specs=common.any_spec(),
+        input_output_aliases={5: 0},
+        compiler_params=common.triton_params(num_warps=num_warps),
+        interpret=common.interpret_mode(),
+        name="hisparse_copy_host_rows",
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), num_misses, miss_host, miss_device, pool, device_buffer)
+
+
+def copy_host_rows_to_buffer(pool, device_buffer, layer, miss_host, miss_device, num_misses, *, implementation=None):
+    """device_buffer[layer, r, miss_device[r, i]] = pool[layer, miss_host[r, i]] for i < num_misses[r].
+
+    pool: row[L, S, W] (pinned host); device_buffer: row[L, R, B1, W] (updated in place);
+    layer: int or i32[]; miss_host, miss_device: i32[R, K]; num_misses: i32[R].
+    """
+    if common.resolve_implementation(implementation) == "pallas":
+        return copy_host_rows_to_buffer_pallas(
+            pool, device_buffer, jnp.asarray(layer, jnp.int32), miss_host, miss_device, num_misses
+        )
+    return copy_host_rows_to_buffer_reference(pool, device_buffer, layer, miss_host, miss_device, num_misses)
+
+
+# --------------------------------------------------------------------------------------------
+# device rows -> host pool
+# --------------------------------------------------------------------------------------------
+
+
+def write_rows_to_host_reference(pool, layer, rows, host_slots):
+    # pool: row[L, S, W]; rows: row[N, W]; host_slots: i32[N] (-1 = skip)
+    target = jnp.where(host_slots >= 0, host_slots, pool.shape[1])
+    updated = _stage_on_device(pool).at[layer, target].set(rows.astype(pool.dtype), mode="drop")
+    return jax.device_put(updated, memory.sharding(memory.PINNED_HOST))
+
+
+def _write_rows_to_host_kernel(
+    layer_ref,  # i32[1]
+    host_slots_ref,  # i32[N]
+    rows_ref,  # row[N, W]
+    _pool_in,  # aliased to pool_ref
+    pool_ref,  # row[L, S, W] pinned host, in/out
+    *,
+    rows: int,
+    interpret: bool,
+):
+    N, S = host_slots_ref.shape[0], pool_ref.shape[1]
+    i = pl.program_id(0) * rows + jnp.arange(rows, dtype=jnp.int32)
+    in_range = i < N
+    safe_i = common.safe_index(i, in_range, N)
+    slot = common.gather(host_slots_ref, (safe_i,), in_range, -1)
+    write = in_range & (slot >= 0)
+    slot = common.safe_index(slot, write, S)
+    layer = layer_ref[0]
+    for offset, size in common.power_of_2_pieces(pool_ref.shape[2]):
+        mask = jnp.broadcast_to(write[:, None], (rows, size))
+        values = common.gather(rows_ref, common.row_block((), safe_i, offset, size, interpret), mask, 0)
+        common.scatter(pool_ref, common.row_block((layer,), slot, offset, size, interpret), values, mask)
+
+
+def write_rows_to_host_pallas(pool, layer, rows, host_slots, *, rows_per_program=DEFAULT_ROWS_PER_PROGRAM):
+    N = rows.shape[0]
+    return pl.pallas_call(
+        functools.partial(_write_rows_to_host_kernel, rows=rows_per_program, interpret=common.interpret_mode()),
+        out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
+        grid=(pl.cdiv(N, rows_per_program),),
+        in_specs=[common.any_spec()] * 4,
+        out_specs=common.any_spec(),
+        input_output_aliases={3: 0},
+        compiler_params=common.triton_params(num_warps=4),
+        interpret=common.interpret_mode(),
+        name="hisparse_write_rows_to_host",
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), host_slots, rows.astype(pool.dtype), pool)
+
+
+def write_rows_to_host(pool, layer, rows, host_slots, *, implementation=None):
+    """pool[layer, host_slots[i]] = rows[i] where host_slots[i] >= 0, in place (pool is donated).
+
+    pool: row[L, S, W] (pinned host); layer: int or i32[]; rows: row[N, W]; host_slots: i32[N].
+    A jit returning the pool must declare it pinned_host (hisparse_jax.state.state_shardings).
+    """
+    if common.resolve_implementation(implementation) == "pallas":
+        return write_rows_to_host_pallas(pool, jnp.asarray(layer, jnp.int32), rows, host_slots)
+    return write_rows_to_host_reference(pool, layer, rows, host_slots)

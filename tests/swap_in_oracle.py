@@ -1,0 +1,33 @@
+"""The swap-in contract (HISPARSE.md section 4) in plain Python, one request at a time.
+
+Deliberately naive (lists, no vectorisation) so it reads as the contract itself; tests hold
+both the jnp reference and the Pallas kernel to it.
+"""
+
+
+def swap_in_one_request(buffer_tokens, lru_slots, topk, n, host_slot_of):
+    """Returns (slots, new_buffer_tokens, new_lru, hits, misses, plan[(host_slot, device_slot)])."""
+    B = len(buffer_tokens)
+    newest = n - 1
+    distinct = []
+    for p in topk:
+        if p >= 0 and p != newest and p not in distinct:
+            distinct.append(p)
+    newest_selected = int(any(p == newest and p >= 0 for p in topk))
+    if n <= B:  # fast path: slot j holds token j
+        return list(topk), list(buffer_tokens), list(lru_slots), len(distinct) + newest_selected, 0, []
+
+    tokens = list(buffer_tokens)
+    hit_slots = {tokens.index(p) for p in distinct if p in tokens}
+    misses = [p for p in distinct if p not in tokens]
+    candidates = [s for s in lru_slots if s not in hit_slots]  # LRU first
+    victims = candidates[: len(misses)]
+    plan = []
+    for p, slot in zip(misses, victims):
+        tokens[slot] = p
+        plan.append((host_slot_of(p), slot))
+    untouched = candidates[len(misses):]
+    hits_in_old_order = [s for s in lru_slots if s in hit_slots]
+    new_lru = untouched + victims + hits_in_old_order
+    slots = [-1 if p < 0 else B if p == newest else tokens.index(p) for p in topk]
+    return slots, tokens, new_lru, len(distinct) - len(misses) + newest_selected, len(misses), plan

@@ -1,0 +1,228 @@
+"""Swap-in: the jnp reference and the Pallas kernel against the contract, and against each other.
+
+Hand-written cases follow SGLang's own swap-in tests; randomised cases (hypothesis) hold both
+implementations to the plain-Python oracle in swap_in_oracle.py, bit-exact in every output and
+state field.
+"""
+
+import functools
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import row_copy, swap_in
+from swap_in_oracle import swap_in_one_request
+
+IMPLEMENTATIONS = ["reference", "pallas"]
+PAGE_SIZE = 4
+
+
+def identity_page_table(R, C):
+    """Request r's pages are r*P .. r*P+P-1, so host slot = r * C + position."""
+    P = C // PAGE_SIZE
+    return np.arange(R * P, dtype=np.int32).reshape(R, P)
+
+
+@functools.partial(jax.jit, static_argnames=("implementation",))
+def run_plan(buffer_tokens, lru, scratch, topk, lengths, page_table, implementation):
+    """One layer (L = 1) of swap-in planning."""
+    plan, tokens, lru, scratch = swap_in.swap_in_plan(
+        buffer_tokens[None], lru[None], scratch, 0, topk, lengths, page_table, page_size=PAGE_SIZE,
+        implementation=implementation,
+    )
+    return plan, tokens[0], lru[0], scratch
+
+
+def plan_numpy(buffer_tokens, lru, topk, lengths, implementation, C=64):
+    R = len(lengths)
+    scratch = jnp.full((R, C), swap_in.SCRATCH_EMPTY, jnp.int32)
+    plan, tokens, new_lru, scratch = run_plan(
+        jnp.asarray(buffer_tokens, jnp.int32), jnp.asarray(lru, jnp.int32), scratch, jnp.asarray(topk, jnp.int32),
+        jnp.asarray(lengths, jnp.int32), jnp.asarray(identity_page_table(R, C)), implementation,
+    )
+    assert np.all(np.asarray(scratch) == swap_in.SCRATCH_EMPTY), "scratch not restored"
+    return jax.tree.map(np.asarray, plan), np.asarray(tokens), np.asarray(new_lru)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+class TestSGLangCases:
+    B = 8
+
+    def test_fast_path_is_a_pure_gather(self, implementation):
+        topk = [[5, 0, 3, -1], [2, 2, 1, 0]]
+        bt = np.full((2, self.B), -1)
+        lru = np.tile(np.arange(self.B), (2, 1))
+        plan, tokens, new_lru = plan_numpy(bt, lru, topk, [6, 8], implementation)
+        np.testing.assert_array_equal(plan.slots, topk)
+        np.testing.assert_array_equal(plan.num_misses, [0, 0])
+        np.testing.assert_array_equal(plan.num_hits, [3, 3])  # distinct positions
+        np.testing.assert_array_equal(plan.miss_device_slots, -1)
+        np.testing.assert_array_equal(tokens, bt)
+        np.testing.assert_array_equal(new_lru, lru)
+
+    def test_hits_and_newest_resolve(self, implementation):
+        bt = [[10, 11, 12, 13, 14, 15, 16, 17]]
+        lru = [[0, 1, 2, 3, 4, 5, 6, 7]]
+        # n = 20: newest is 19 -> reserved slot 8; 12 and 16 are held by slots 2 and 6.
+        plan, tokens, _ = plan_numpy(bt, lru, [[12, 19, 16, -1]], [20], implementation)
+        np.testing.assert_array_equal(plan.slots, [[2, self.B, 6, -1]])
+        np.testing.assert_array_equal(plan.num_hits, [3])
+        np.testing.assert_array_equal(plan.num_misses, [0])
+        np.testing.assert_array_equal(tokens, bt)
+
+    def test_lru_moves_hits_to_most_recent(self, implementation):
+        bt = [[10, 11, 12, 13, 14, 15, 16, 17]]
+        lru = [[3, 1, 4, 0, 5, 2, 6, 7]]  # slot 3 least recent
+        plan, _, new_lru = plan_numpy(bt, lru, [[14, 13, -1, -1]], [20], implementation)
+        # Hit slots 4 and 3 go to the end in their old relative order (3 before 4).
+        np.testing.assert_array_equal(new_lru, [[1, 0, 5, 2, 6, 7, 3, 4]])
+
+    def test_miss_reuses_lru_head_and_copies_the_right_row(self, implementation):
+        bt = [[10, 11, 12, 13, 14, 15, 16, 17]]
+        lru = [[5, 1, 4, 0, 3, 2, 6, 7]]
+        plan, tokens, new_lru = plan_numpy(bt, lru, [[3, 11, 7, -1]], [20], implementation)
+        # 11 hits slot 1; misses 3 then 7 take the LRU non-hit slots 5 then 4.
+        np.testing.assert_array_equal(plan.slots, [[5, 1, 4, -1]])
+        np.testing.assert_array_equal(plan.num_misses, [2])
+        np.testing.assert_array_equal(plan.miss_device_slots[0, :3], [5, 4, -1])
+        np.testing.assert_array_equal(plan.miss_host_slots[0, :3], [3, 7, -1])  # request 0: slot = position
+        np.testing.assert_array_equal(tokens, [[10, 11, 12, 13, 7, 3, 16, 17]])
+        # Untouched (0, 3, 2, 6, 7), then the fresh misses (5, 4), then the hit (1).
+        np.testing.assert_array_equal(new_lru, [[0, 3, 2, 6, 7, 5, 4, 1]])
+
+    def test_batch_mixing_long_short_and_padded(self, implementation):
+        bt = np.array([[10, 11, 12, 13, 14, 15, 16, 17], [0, 1, 2, -1, -1, -1, -1, -1], [-1] * 8])
+        lru = np.tile(np.arange(self.B), (3, 1))
+        topk = [[30, 10, 29, 30], [2, 0, -1, -1], [-1, -1, -1, -1]]
+        plan, tokens, _ = plan_numpy(bt, lru, topk, [31, 3, 0], implementation)
+        # Long: 30 is newest (reserved slot), 10 hits slot 0, 29 misses into slot 1 (LRU head
+        # among non-hits); the duplicate 30 resolves to the reserved slot too.
+        np.testing.assert_array_equal(plan.slots, [[8, 0, 1, 8], [2, 0, -1, -1], [-1, -1, -1, -1]])
+        np.testing.assert_array_equal(plan.num_misses, [1, 0, 0])
+        np.testing.assert_array_equal(plan.num_hits, [2, 2, 0])
+        np.testing.assert_array_equal(plan.miss_host_slots[0, :2], [29, -1])
+        np.testing.assert_array_equal(tokens[0], [10, 29, 12, 13, 14, 15, 16, 17])
+        np.testing.assert_array_equal(tokens[1:], bt[1:])
+
+    def test_duplicate_miss_resolves_to_one_slot(self, implementation):
+        bt = [[10, 11, 12, 13, 14, 15, 16, 17]]
+        lru = [list(range(8))]
+        plan, _, _ = plan_numpy(bt, lru, [[5, 6, 5, 6]], [20], implementation)
+        np.testing.assert_array_equal(plan.slots, [[0, 1, 0, 1]])
+        np.testing.assert_array_equal(plan.num_misses, [2])
+
+
+def oracle_batch(bt, lru, topk, lengths, C):
+    outs = [
+        swap_in_one_request(list(bt[r]), list(lru[r]), list(topk[r]), int(lengths[r]), lambda p, r=r: r * C + p)
+        for r in range(len(lengths))
+    ]
+    return outs
+
+
+def assert_matches_oracle(plan, tokens, new_lru, expected):
+    for r, (slots, o_tokens, o_lru, hits, misses, o_plan) in enumerate(expected):
+        np.testing.assert_array_equal(plan.slots[r], slots, err_msg=f"slots of request {r}")
+        np.testing.assert_array_equal(tokens[r], o_tokens, err_msg=f"buffer_tokens of request {r}")
+        np.testing.assert_array_equal(new_lru[r], o_lru, err_msg=f"lru of request {r}")
+        assert plan.num_hits[r] == hits and plan.num_misses[r] == misses, r
+        K = len(slots)
+        host = [h for h, _ in o_plan] + [-1] * (K - len(o_plan))
+        device = [d for _, d in o_plan] + [-1] * (K - len(o_plan))
+        np.testing.assert_array_equal(plan.miss_host_slots[r], host)
+        np.testing.assert_array_equal(plan.miss_device_slots[r], device)
+
+
+R_RAND, B_RAND, K_RAND, C_RAND = 3, 12, 8, 64
+
+
+@st.composite
+def swap_in_cases(draw):
+    """A valid state and a top-k request per slot: lengths cross B, duplicates, -1 padding."""
+    bt = np.full((R_RAND, B_RAND), -1, np.int32)
+    lru = np.zeros((R_RAND, B_RAND), np.int32)
+    topk = np.full((R_RAND, K_RAND), -1, np.int32)
+    lengths = np.zeros(R_RAND, np.int32)
+    for r in range(R_RAND):
+        n = draw(st.integers(0, C_RAND))
+        lengths[r] = n
+        lru[r] = draw(st.permutations(range(B_RAND)))
+        if n > B_RAND:  # a long-path buffer holds distinct older positions, some slots empty
+            held = draw(st.lists(st.integers(0, n - 2), max_size=B_RAND, unique=True))
+            slots = draw(st.permutations(range(B_RAND)))[: len(held)]
+            bt[r, slots] = held
+        elif n > 0:
+            bt[r, :n] = np.arange(n)
+        if n > 0:
+            entries = draw(st.lists(st.integers(-1, n - 1), min_size=K_RAND, max_size=K_RAND))
+            topk[r] = entries
+    return bt, lru, topk, lengths
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@hypothesis.settings(max_examples=1000, deadline=None, derandomize=True)
+@hypothesis.given(case=swap_in_cases())
+def test_random_cases_match_oracle(implementation, case):
+    bt, lru, topk, lengths = case
+    plan, tokens, new_lru = plan_numpy(bt, lru, topk, lengths, implementation, C=C_RAND)
+    assert_matches_oracle(plan, tokens, new_lru, oracle_batch(bt, lru, topk, lengths, C_RAND))
+
+
+def test_many_consecutive_steps_kernel_equals_reference_and_oracle():
+    """Lengths grow across B over many steps; kernel and reference carry their own state."""
+    rng = np.random.default_rng(7)
+    R, B, K, C = 4, 16, 8, 160
+    lengths = np.array([1, 10, 17, 0], np.int32)
+    bt = np.full((R, B), -1, np.int32)
+    for r in range(R):
+        held = min(max(lengths[r] - 1, 0), B)  # stored before this step: 0 .. n-2, at most B
+        bt[r, :held] = np.arange(held)
+    lru = np.tile(np.arange(B, dtype=np.int32), (R, 1))
+    states = {impl: (bt.copy(), lru.copy()) for impl in IMPLEMENTATIONS}
+    oracle_state = (bt.copy(), lru.copy())
+    for _ in range(60):
+        # As the decode step does: on the fast path the newest token lands in slot n - 1.
+        for tokens, _ in [*states.values(), oracle_state]:
+            for r in range(R):
+                if 0 < lengths[r] <= B:
+                    tokens[r, lengths[r] - 1] = lengths[r] - 1
+        topk = np.full((R, K), -1, np.int32)
+        for r in range(R):
+            n = lengths[r]
+            if n:
+                # Mostly recent positions, as a real indexer picks: many hits, some misses.
+                recent = rng.integers(max(0, n - 24), n, K)
+                topk[r] = np.where(rng.random(K) < 0.8, recent, rng.integers(-1, n, K))
+        expected = oracle_batch(*oracle_state, topk, lengths, C)
+        for impl in IMPLEMENTATIONS:
+            plan, tokens, new_lru = plan_numpy(*states[impl], topk, lengths, impl, C=C)
+            assert_matches_oracle(plan, tokens, new_lru, expected)
+            states[impl] = (tokens.copy(), new_lru.copy())
+        oracle_state = (np.array([e[1] for e in expected]), np.array([e[2] for e in expected]))
+        lengths = np.where(lengths > 0, lengths + 1, 0).astype(np.int32)
+    assert lengths.max() > B
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_copy_moves_exactly_the_planned_rows(implementation):
+    """Missed rows land in their slots; every other slot keeps its (NaN) content."""
+    rng = np.random.default_rng(3)
+    L, R, B, S, W, K = 2, 3, 8, 40, 6, 5
+    pool = jnp.asarray(rng.standard_normal((L, S, W)), jnp.float32)
+    buffer = jnp.full((L, R, B + 1, W), jnp.nan, jnp.float32)
+    miss_host = jnp.asarray([[7, 3, -1, -1, -1], [39, 0, 12, 5, 1], [-1] * 5], jnp.int32)
+    miss_device = jnp.asarray([[2, 8, -1, -1, -1], [0, 1, 2, 3, 4], [-1] * 5], jnp.int32)
+    num_misses = jnp.asarray([2, 5, 0], jnp.int32)
+    out = jax.jit(
+        functools.partial(row_copy.copy_host_rows_to_buffer, implementation=implementation), static_argnums=2
+    )(pool, buffer, 1, miss_host, miss_device, num_misses)
+    out = np.asarray(out)
+    expected = np.full((L, R, B + 1, W), np.nan, np.float32)
+    for r in range(R):
+        for i in range(int(num_misses[r])):
+            expected[1, r, miss_device[r, i]] = pool[1, miss_host[r, i]]
+    np.testing.assert_array_equal(out, expected)
