@@ -1,0 +1,341 @@
+"""Decoding a DSA model: the model-level cache, prompt prefill, the jitted decode step, greedy
+generation, and greedy decoding of a checkpoint (what run_decode.py calls).
+
+Letters: L layers, J full-indexer layers, R request slots, C max context, T prompt tokens,
+Tp padded prompt tokens, D hidden, I index_head_dim, K top-k entries, W KV row width, V vocab,
+N generated tokens, B prompts.
+
+Per layer of a decode step (HISPARSE.md section 2): MLA projections of the new token -> its KV
+row and indexer key -> indexer top-k over the request's whole context (keys stay on the device)
+-> hisparse_jax.attention_layer, which swaps the selected rows in and attends (or, with a
+FullKVState, attends over the on-device KV) -> W_UV, o_proj, MLP. The cache's KV state type
+alone selects HiSparse or no offload: the model code is the same.
+
+Prefill runs layer by layer over the whole prompt, query-chunked, and writes each layer's KV rows
+with store_prefill_rows straight into the host pool (direct-to-host), so the decode state never
+stages the full context on the device; only the layer being computed holds its rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from configs.model import DSAModelConfig
+from hisparse_jax import memory
+from hisparse_jax.attention_layer import attention_layer, shared_attention_layer
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.host_pages import HostPageAllocator
+from hisparse_jax.kv_cache_ops import advance, begin_request, store_prefill_rows
+from hisparse_jax.row_layout import KVRowLayout
+from hisparse_jax.state import FullKVState, HiSparseState, state_shardings
+from models import rope
+from models.decoder import DSAForCausalLM, DecoderLayer
+from models.indexer import index_scores, select_topk
+from models.loading import load_hf_checkpoint
+
+DEFAULT_PREFILL_CHUNK = 128
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeCache:
+    """Everything the model keeps between decode steps."""
+
+    kv: HiSparseState | FullKVState  # MLA KV rows of every layer; its type picks HiSparse or no offload
+    index_keys: jax.Array  # [J, R, C, I]: indexer key of every stored position, per full-indexer layer
+
+
+class StepTelemetry(NamedTuple):
+    num_hits: jax.Array  # i32[L, R]: selected rows found on the device, per layer and request
+    num_misses: jax.Array  # i32[L, R]: rows copied host -> device (0 without HiSparse)
+
+
+def create_cache(
+    config: DSAModelConfig,
+    *,
+    num_requests: int,
+    max_context: int,
+    dtype,
+    hisparse: HiSparseConfig | None = None,
+    num_host_pages: int | None = None,
+    page_size: int = 64,
+    fill_value: float = 0.0,
+) -> DecodeCache:
+    """An empty cache for `num_requests` slots of up to `max_context` tokens; KV rows in `dtype`.
+
+    hisparse None keeps every row on the device (FullKVState). fill_value initialises unwritten
+    rows (tests pass NaN so any stray read shows).
+    """
+    layout = KVRowLayout.for_dtype(config.kv_lora_rank, config.qk_rope_head_dim, dtype)
+    if hisparse is None:
+        kv = FullKVState.create(
+            num_layers=config.num_layers, num_requests=num_requests, max_context=max_context,
+            layout=layout, fill_value=fill_value,
+        )  # fmt: skip
+    else:
+        if hisparse.top_k != config.index_topk:
+            raise ValueError(
+                f"hisparse_config top_k ({hisparse.top_k}) must equal the model's index_topk ({config.index_topk})"
+            )
+        kv = HiSparseState.create(
+            num_layers=config.num_layers, num_requests=num_requests, max_context=max_context, config=hisparse,
+            layout=layout, num_host_pages=num_host_pages, page_size=page_size, fill_value=fill_value,
+        )  # fmt: skip
+    index_keys = memory.allocate(
+        (len(config.full_indexer_layers), num_requests, max_context, config.index_head_dim),
+        dtype, fill_value, memory.DEVICE,
+    )  # fmt: skip
+    return DecodeCache(kv, index_keys)
+
+
+def cache_shardings(cache: DecodeCache) -> DecodeCache:
+    """Output shardings of a jit returning the cache: the host pool stays pinned_host."""
+    return DecodeCache(state_shardings(cache.kv), memory.sharding(memory.DEVICE))
+
+
+# ---- decode ---------------------------------------------------------------------------------------
+
+
+def _decode_indexer(layer: DecoderLayer, x, proj, cos, sin, index_keys, j, positions):
+    """Writes the new indexer keys, returns (index_keys, top-k i32[R, K]) over each request's context."""
+    indexer, config = layer.self_attn.indexer, layer.config
+    R, C = index_keys.shape[1], index_keys.shape[2]
+    keys = indexer.keys(x, cos, sin)  # [R, I]
+    target = jnp.where(positions >= 0, positions, C)  # an inactive slot writes nothing
+    index_keys = index_keys.at[j, jnp.arange(R), target].set(keys.astype(index_keys.dtype), mode="drop")
+    q, w = indexer.queries(x, proj.q_resid, cos, sin)  # [R, G, I], f32[R, G]
+    scores = jax.vmap(index_scores)(q[:, None], w[:, None], index_keys[j])[:, 0]  # f32[R, C]
+    allowed = jnp.arange(C)[None, :] <= positions[:, None]  # bool[R, C]; nothing for inactive slots
+    return index_keys, select_topk(scores, allowed, config.index_topk)
+
+
+def decode_step(
+    graphdef: nnx.GraphDef,
+    params: nnx.State,
+    cache: DecodeCache,
+    tokens: jax.Array,  # i32[R]: this step's input token per request slot
+    positions: jax.Array,  # i32[R]: its position (= tokens stored so far), -1 for an inactive slot
+    *,
+    implementation: str | None = None,
+) -> tuple[DecodeCache, jax.Array, StepTelemetry]:
+    """One token for every request slot -> (cache, logits f32[R, V], telemetry). Traceable; see
+    ModelRunner for the jitted, cache-donating version."""
+    model: DSAForCausalLM = nnx.merge(graphdef, params)
+    config = model.config
+    kv, index_keys = cache.kv, cache.index_keys
+    layout = KVRowLayout.for_dtype(config.kv_lora_rank, config.qk_rope_head_dim, index_keys.dtype)
+    h = model.embed_tokens(tokens)  # [R, D]
+    cos, sin = rope.cos_sin(config.rope, config.qk_rope_head_dim, positions)  # f32[R, P/2]
+    attend = dict(latent_dim=config.kv_lora_rank, sm_scale=config.softmax_scale, implementation=implementation)
+    anchor, hits, misses = None, [], []
+    for l, layer in enumerate(model.layers):
+        x = layer.input_layernorm(h)
+        proj = layer.self_attn.project(x, cos, sin)
+        new_row = layout.pack(proj.latent, proj.k_rope)  # row[R, W]
+        if layer.self_attn.indexer is not None:
+            index_keys, topk = _decode_indexer(layer, x, proj, cos, sin, index_keys, config.indexer_cache_index(l), positions)
+            shared_next = l + 1 < config.num_layers and config.indexer_types[l + 1] == "shared"
+            kv, out, anchor = attention_layer(kv, l, proj.query, new_row, positions, topk, record_plan=shared_next, **attend)
+            info = anchor
+        else:
+            kv, out, info = shared_attention_layer(kv, l, proj.query, new_row, positions, anchor, **attend)
+        h = layer.finish(h, out)
+        hits.append(info.num_hits)
+        misses.append(info.num_misses)
+    kv = advance(kv, positions >= 0)
+    return DecodeCache(kv, index_keys), model.logits(h), StepTelemetry(jnp.stack(hits), jnp.stack(misses))
+
+
+# ---- prefill --------------------------------------------------------------------------------------
+
+
+def _prefill_layer(graphdef, params, h, anchor_topk, *, chunk):
+    layer: DecoderLayer = nnx.merge(graphdef, params)
+    return layer.prefill(h, anchor_topk, chunk=chunk)
+
+
+def _store_index_keys(index_keys, j, request, keys, prompt_len):
+    # index_keys [J, R, C, I]; keys [Tp, I]: positions >= prompt_len are padding, dropped
+    positions = jnp.arange(keys.shape[0])
+    target = jnp.where(positions < prompt_len, positions, index_keys.shape[2])
+    return index_keys.at[j, request, target].set(keys.astype(index_keys.dtype), mode="drop")
+
+
+def _padded_length(prompt_len: int, chunk: int) -> tuple[int, int]:
+    """(Tp, chunk): prompts pad to a power of two up to `chunk`, then to a multiple of it, so
+    prompt lengths share few compiled shapes."""
+    if prompt_len <= chunk:
+        padded = 1 << (prompt_len - 1).bit_length()
+        return padded, padded
+    return -(-prompt_len // chunk) * chunk, chunk
+
+
+class ModelRunner:
+    """A model split once into (graph, params) with its jitted prefill and decode functions.
+
+    The decode step is jitted once with the cache donated; prefill compiles one function per
+    distinct layer structure (dense/MoE x full/shared indexer) and padded prompt length.
+    """
+
+    def __init__(self, model: DSAForCausalLM, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, implementation: str | None = None):
+        self.config = model.config
+        self.dtype = model.dtype
+        self.prefill_chunk = prefill_chunk
+        self.implementation = implementation
+        self.graphdef, self.params = nnx.split(model)
+        self._layers = [nnx.split(layer) for layer in model.layers]
+        self._prefill_layer = jax.jit(_prefill_layer, static_argnames=("graphdef", "chunk"))
+        self._embed = jax.jit(lambda params, tokens: nnx.merge(self.graphdef, params).embed_tokens(tokens))
+        self._logits = jax.jit(lambda params, h: nnx.merge(self.graphdef, params).logits(h))
+        self._cache_fns = {}  # per KV state type: jits whose outputs keep the host pool pinned
+
+    def _jitted(self, cache: DecodeCache) -> dict:
+        kind = type(cache.kv)
+        if kind not in self._cache_fns:
+            kv_out = state_shardings(cache.kv)
+            device = memory.sharding(memory.DEVICE)
+            self._cache_fns[kind] = dict(
+                begin=jax.jit(begin_request, donate_argnums=0, out_shardings=kv_out),
+                store=jax.jit(
+                    functools.partial(store_prefill_rows, implementation=self.implementation),
+                    donate_argnums=0,
+                    out_shardings=kv_out,
+                ),
+                store_keys=jax.jit(_store_index_keys, donate_argnums=0),
+                decode=jax.jit(
+                    functools.partial(decode_step, self.graphdef, implementation=self.implementation),
+                    donate_argnums=1,
+                    out_shardings=(cache_shardings(cache), device, device),
+                ),
+            )
+        return self._cache_fns[kind]
+
+    def create_cache(self, *, num_requests: int, max_context: int, hisparse: HiSparseConfig | None = None, **kwargs) -> DecodeCache:
+        return create_cache(
+            self.config, num_requests=num_requests, max_context=max_context, dtype=self.dtype, hisparse=hisparse, **kwargs
+        )
+
+    def prefill(self, cache: DecodeCache, request: int, tokens, *, host_pages=None) -> tuple[DecodeCache, jax.Array]:
+        """Admits request slot `request` with prompt tokens i32[T] -> (cache, logits f32[V] of the
+        last prompt token). host_pages: i32[P] (HiSparse only), the pages its positions use."""
+        tokens = np.asarray(tokens, np.int32)
+        T = tokens.shape[0]
+        C = cache.index_keys.shape[2]
+        if not 0 < T < C:
+            raise ValueError(f"prompt of {T} tokens needs 0 < T < max_context ({C}): decoding appends to it")
+        padded, chunk = _padded_length(T, self.prefill_chunk)
+        fns = self._jitted(cache)
+        pages = None if host_pages is None else jnp.asarray(host_pages, jnp.int32)
+        kv = fns["begin"](cache.kv, jnp.int32(request), jnp.int32(T), pages)
+        index_keys = cache.index_keys
+        h = self._embed(self.params, jnp.asarray(np.pad(tokens, (0, padded - T))))
+        anchor = None
+        for l, (graphdef, params) in enumerate(self._layers):
+            out = self._prefill_layer(graphdef, params, h, anchor, chunk=chunk)
+            kv = fns["store"](kv, jnp.int32(l), jnp.int32(request), jnp.int32(0), out.rows, jnp.int32(T))
+            if out.index_keys is not None:
+                j = self.config.indexer_cache_index(l)
+                index_keys = fns["store_keys"](index_keys, jnp.int32(j), jnp.int32(request), out.index_keys, jnp.int32(T))
+                anchor = out.topk
+            h = out.hidden
+        return DecodeCache(kv, index_keys), self._logits(self.params, h[T - 1])
+
+    def decode_step(self, cache: DecodeCache, tokens, positions) -> tuple[DecodeCache, jax.Array, StepTelemetry]:
+        """decode_step jitted with the cache donated: tokens i32[R], positions i32[R] (-1 inactive)."""
+        return self._jitted(cache)["decode"](self.params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32))
+
+
+# ---- greedy generation ----------------------------------------------------------------------------
+
+
+class GenerateOutput(NamedTuple):
+    tokens: np.ndarray  # i32[B, N]: greedy tokens
+    logits: np.ndarray  # f32[B, N, V]: the logits each token was chosen from
+    num_hits: np.ndarray  # i32[N - 1, L, B]: per decode step (the first token comes from prefill)
+    num_misses: np.ndarray  # i32[N - 1, L, B]
+
+
+def generate(
+    model: DSAForCausalLM | ModelRunner,
+    prompts,
+    max_new_tokens: int,
+    *,
+    hisparse: HiSparseConfig | None = None,
+    page_size: int = 64,
+    fill_value: float = 0.0,
+) -> GenerateOutput:
+    """Greedy decoding of prompts i32[B, T], one request slot per prompt; EOS does not stop it."""
+    runner = model if isinstance(model, ModelRunner) else ModelRunner(model)
+    prompts = np.asarray(prompts, np.int32)
+    if prompts.ndim != 2:
+        raise ValueError(f"prompts must be [B, T], got shape {prompts.shape}")
+    if max_new_tokens < 1:
+        raise ValueError(f"{max_new_tokens=} must be >= 1")
+    B, T = prompts.shape
+    max_context = T + max_new_tokens
+    num_host_pages = None
+    if hisparse is not None:
+        num_host_pages = B * -(-max_context // page_size)
+        allocator = HostPageAllocator(num_host_pages, page_size)
+    cache = runner.create_cache(
+        num_requests=B, max_context=max_context, hisparse=hisparse, num_host_pages=num_host_pages,
+        page_size=page_size, fill_value=fill_value,
+    )  # fmt: skip
+
+    first = []
+    for b in range(B):
+        pages = None
+        if hisparse is not None:
+            pages = allocator.page_table_row(allocator.allocate(max_context), cache.kv.host_page_table.shape[1])
+        cache, logits = runner.prefill(cache, b, prompts[b], host_pages=pages)
+        first.append(logits)
+    logits = jnp.stack(first)  # f32[B, V]
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    out_tokens, out_logits, hits, misses = [tokens], [logits], [], []
+    positions = jnp.full((B,), T, jnp.int32)
+    for _ in range(max_new_tokens - 1):
+        cache, logits, telemetry = runner.decode_step(cache, tokens, positions)
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        positions = positions + 1
+        out_tokens.append(tokens)
+        out_logits.append(logits)
+        hits.append(telemetry.num_hits)
+        misses.append(telemetry.num_misses)
+    L = runner.config.num_layers
+    stack = lambda xs: np.stack(xs) if xs else np.zeros((0, L, B), np.int32)  # noqa: E731
+    return GenerateOutput(
+        np.stack(out_tokens, axis=1), np.stack(out_logits, axis=1).astype(np.float32), stack(hits), stack(misses)
+    )
+
+
+def decode_checkpoint(
+    checkpoint: str | os.PathLike,
+    prompts_path: str | os.PathLike,
+    output_path: str | os.PathLike,
+    *,
+    max_new_tokens: int,
+    dtype=jnp.bfloat16,
+    hisparse: HiSparseConfig | None = None,
+) -> GenerateOutput:
+    """Loads a Hugging Face checkpoint, greedy-decodes the prompts of an .npz (`input_ids`
+    int32 [B, T]) and writes `tokens` int32 [B, N] and `logits` float32 [B, N, V] to output_path."""
+    with np.load(prompts_path) as data:
+        if "input_ids" not in data:
+            raise ValueError(f"{prompts_path} has no 'input_ids' array (found {sorted(data.files)})")
+        prompts = data["input_ids"].astype(np.int32)
+    model = load_hf_checkpoint(checkpoint, dtype=dtype)
+    logging.info("loaded %s: %s, %d layers, params %s", checkpoint, model.config.model_type, model.config.num_layers, np.dtype(dtype).name)
+    out = generate(model, prompts, max_new_tokens, hisparse=hisparse)
+    np.savez(output_path, tokens=out.tokens, logits=out.logits)
+    if hisparse is not None and out.num_misses.size:
+        logging.info("hisparse: %d hits, %d misses over %d decode steps", out.num_hits.sum(), out.num_misses.sum(), len(out.num_misses))
+    return out
