@@ -1,5 +1,1 @@
-"""Model configurations: DSAModelConfig and its named constructors."""
-
-from configs.model import DSAModelConfig, RopeConfig, UnsupportedModelError
-
-__all__ = ["DSAModelConfig", "RopeConfig", "UnsupportedModelError"]
+"""Model configurations: configs.model.DSAModelConfig and its named constructors."""

@@ -301,6 +301,8 @@ def swap_in_plan_pallas(
     page_table,  # i32[R, P]
     *,
     page_size: int,
+    k_chunk: int = 1024,
+    b_chunk: int = 1024,
     num_warps: int = 4,
 ):
     """The Pallas plan kernel for `layer`; updates buffer_tokens/lru_slots/scratch in place.
@@ -312,8 +314,8 @@ def swap_in_plan_pallas(
     kernel = functools.partial(
         _plan_kernel,
         page_size=page_size,
-        k_chunk=min(common.next_power_of_2(K), 1024),
-        b_chunk=min(common.next_power_of_2(B), 1024),
+        k_chunk=min(common.next_power_of_2(K), k_chunk),
+        b_chunk=min(common.next_power_of_2(B), b_chunk),
         interpret=common.interpret_mode(),
     )
     i32 = jnp.int32

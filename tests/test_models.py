@@ -1,0 +1,152 @@
+"""The DSA model against transformers' outputs (tests/fixtures/deepseek_v32_tiny), and decoding
+with HiSparse on and off: prefill + decode steps == the full forward, GLM shared-index layers.
+
+Float32 throughout: the fixture's README shows every discrete choice (indexer top-k, routing,
+greedy argmax) has a margin >= 22x float32 round-off, so they must all match exactly.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs.model import DSAModelConfig
+from hisparse_jax.config import HiSparseConfig
+from models.decoder import DSAForCausalLM, forward
+from models.decoding import ModelRunner, create_cache, generate
+from models.loading import load_hf_checkpoint
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "deepseek_v32_tiny")
+RTOL = 1e-4  # relative to the largest |logit|, as the fixture's README suggests
+
+
+@pytest.fixture(scope="module")
+def golden():
+    with np.load(os.path.join(FIXTURE, "golden.npz")) as data:
+        return dict(data)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_hf_checkpoint(FIXTURE, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def glm():
+    """GLM-style tiny model (shared indexer layers, interleaved indexer RoPE, YaRN), random weights."""
+    config = DSAModelConfig.tiny_glm()
+    assert "shared" in config.indexer_types and config.indexer_rope_interleave
+    return DSAForCausalLM(config, rngs=nnx.Rngs(3))
+
+
+def assert_logits_close(actual, expected):
+    error = np.abs(np.asarray(actual) - expected).max() / np.abs(expected).max()
+    assert error < RTOL, f"max error {error:.2e} of the largest |logit|"
+
+
+def sort_topk(topk):
+    """Ascending positions, -1 padding last (the fixture's order)."""
+    topk = np.asarray(topk)
+    ordered = np.sort(np.where(topk < 0, np.iinfo(np.int32).max, topk), axis=-1)
+    return np.where(ordered == np.iinfo(np.int32).max, -1, ordered)
+
+
+def test_forward_matches_reference_logits_and_indexer_topk(model, golden):
+    graphdef, params = nnx.split(model)
+    run = jax.jit(lambda p, t: forward(nnx.merge(graphdef, p), t, chunk=32))  # 3 query chunks
+    logits, topk = run(params, golden["input_ids"])
+    assert_logits_close(logits, golden["logits"])
+    np.testing.assert_array_equal(sort_topk(topk), golden["indexer_topk_all"])
+    assert (golden["indexer_topk_all"][:, :, 15:] >= 0).all()  # from position 15 on all 16 are real
+
+
+@pytest.fixture(scope="module")
+def runners(model):
+    # A short prefill chunk so the 96-token prompts take the multi-chunk path.
+    return {impl: ModelRunner(model, prefill_chunk=32, implementation=impl) for impl in ("reference", "pallas")}
+
+
+@pytest.mark.parametrize(
+    "buffer, implementation",
+    [(None, "reference"), (24, "reference"), (24, "pallas")],
+    ids=["hisparse_off", "hisparse_on", "hisparse_on_pallas_interpret"],
+)
+def test_greedy_decoding_matches_reference(runners, golden, buffer, implementation):
+    hisparse = None if buffer is None else HiSparseConfig(top_k=16, device_buffer_size=buffer)
+    # NaN in every unwritten row: attending to one would poison the logits.
+    out = generate(runners[implementation], golden["input_ids"], 24, hisparse=hisparse, page_size=16, fill_value=np.nan)
+    np.testing.assert_array_equal(out.tokens, golden["greedy_tokens"])
+    assert_logits_close(out.logits, golden["greedy_logits"])
+    assert out.num_hits.shape == (23, 3, 2)
+    if hisparse is None:
+        assert out.num_misses.sum() == 0
+    else:
+        # Each (layer, request) loads far more rows than its 24 slots hold: it really evicts.
+        assert (out.num_misses.sum(axis=0) > 2 * buffer).all()
+
+
+@pytest.mark.parametrize("hisparse", [None, HiSparseConfig(top_k=8, device_buffer_size=12)], ids=["hisparse_off", "hisparse_on"])
+def test_prefill_then_decode_equals_full_forward(glm, hisparse):
+    config = glm.config
+    prompts = np.random.default_rng(0).integers(0, config.vocab_size, (3, 40)).astype(np.int32)
+    out = generate(ModelRunner(glm, prefill_chunk=16), prompts, 12, hisparse=hisparse, page_size=8, fill_value=np.nan)
+    full = np.concatenate([prompts, out.tokens[:, :-1]], axis=1)  # every token the decode saw
+    logits, _ = jax.jit(lambda tokens: forward(glm, tokens))(full)
+    np.testing.assert_allclose(out.logits, np.asarray(logits)[:, 39:], rtol=0, atol=RTOL * np.abs(out.logits).max())
+
+
+def test_glm_shared_index_layers_decode_identically_with_hisparse_on_and_off(glm):
+    prompts = np.random.default_rng(1).integers(0, glm.config.vocab_size, (2, 33)).astype(np.int32)
+    runner = ModelRunner(glm)
+    off = generate(runner, prompts, 10)
+    on = generate(runner, prompts, 10, hisparse=HiSparseConfig(top_k=8, device_buffer_size=9), page_size=8, fill_value=np.nan)
+    np.testing.assert_array_equal(on.tokens, off.tokens)
+    np.testing.assert_array_equal(on.logits, off.logits)
+    shared = [i for i, t in enumerate(glm.config.indexer_types) if t == "shared"]
+    assert on.num_misses[:, shared].sum() > 0
+    # A shared layer replays its anchor's swap-in: same hits and misses.
+    for layer in shared:
+        np.testing.assert_array_equal(on.num_misses[:, layer], on.num_misses[:, glm.config.anchor_layer(layer)])
+
+
+def test_inactive_request_slots_change_nothing(glm):
+    prompt = np.random.default_rng(2).integers(0, glm.config.vocab_size, (1, 20)).astype(np.int32)
+    alone = generate(glm, prompt, 4)
+    runner = ModelRunner(glm)
+    cache = runner.create_cache(num_requests=3, max_context=24, hisparse=None, fill_value=np.nan)
+    cache, logits = runner.prefill(cache, 1, prompt[0])
+    steps = [logits]
+    token = int(jnp.argmax(logits))
+    for i in range(3):
+        cache, logits, _ = runner.decode_step(cache, [0, token, 0], [-1, 20 + i, -1])
+        steps.append(logits[1])
+        token = int(jnp.argmax(logits[1]))
+    np.testing.assert_array_equal(np.stack(steps), alone.logits[0])
+
+
+def test_hisparse_top_k_must_match_the_model():
+    with pytest.raises(ValueError, match=r"top_k \(32\) must equal the model's index_topk \(16\)"):
+        create_cache(
+            DSAModelConfig.tiny(), num_requests=1, max_context=64, dtype=jnp.float32,
+            hisparse=HiSparseConfig(top_k=32, device_buffer_size=64),
+        )  # fmt: skip
+
+
+def test_run_decode_reproduces_the_fixture(tmp_path, golden):
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "run_decode.py")
+    output = tmp_path / "out.npz"
+    subprocess.run(
+        [sys.executable, script, f"--checkpoint={FIXTURE}", f"--prompts={os.path.join(FIXTURE, 'golden.npz')}",
+         "--max_new_tokens=24", f"--output={output}", "--dtype=float32", "--enable_hisparse",
+         '--hisparse_config={"top_k": 16, "device_buffer_size": 24}'],
+        check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=os.path.dirname(script),
+    )  # fmt: skip
+    with np.load(output) as data:
+        assert data["tokens"].dtype == np.int32 and data["logits"].dtype == np.float32
+        np.testing.assert_array_equal(data["tokens"], golden["greedy_tokens"])
+        assert_logits_close(data["logits"], golden["greedy_logits"])
