@@ -126,7 +126,8 @@ def test_inactive_request_slots_change_nothing(glm):
         cache, logits, _ = runner.decode_step(cache, [0, token, 0], [-1, 20 + i, -1])
         steps.append(logits[1])
         token = int(jnp.argmax(logits[1]))
-    np.testing.assert_array_equal(np.stack(steps), alone.logits[0])
+    # Same math, batch of 3 instead of 1: equal up to the round-off of differently shaped matmuls.
+    np.testing.assert_allclose(np.stack(steps), alone.logits[0], rtol=0, atol=1e-5)
 
 
 def test_hisparse_top_k_must_match_the_model():
