@@ -265,7 +265,8 @@ class DSAModelConfig:
 
     @classmethod
     def tiny_glm(cls) -> "DSAModelConfig":
-        """GLM-style test model: shared indexer layers (full, full, shared, full, shared), YaRN."""
+        """GLM-style test model (tests/fixtures/glm_moe_dsa_tiny): shared indexer layers
+        (full, full, shared, full, shared), YaRN with a cos/sin attention factor != 1."""
         return cls.from_hf_config(
             dict(
                 model_type="glm_moe_dsa", vocab_size=384, hidden_size=64, intermediate_size=96,
@@ -276,7 +277,7 @@ class DSAModelConfig:
                 index_topk=8, index_topk_freq=2, index_skip_topk_offset=2, max_position_embeddings=256,
                 rope_parameters=dict(
                     rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
-                    mscale=1.0, mscale_all_dim=1.0,
+                    mscale=1.0, mscale_all_dim=0.8,
                 ),
             )
         )  # fmt: skip

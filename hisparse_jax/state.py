@@ -28,8 +28,8 @@ from hisparse_jax import memory
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.row_layout import KVRowLayout
 
-# Value of an unused swap-in scratch entry: larger than any top-k index, so atomic-min marking
-# of "first occurrence" works against it.
+# Value of an unused swap-in scratch entry: larger than any top-k index, so marking the first
+# occurrence of a position (the smallest top-k index) works against it.
 SCRATCH_EMPTY = np.iinfo(np.int32).max
 
 

@@ -62,33 +62,33 @@ class DecoderLayer(nnx.Module):
 
         h [T, D] with T a multiple of chunk (tokens past the prompt are padding: they come after
         every real token, so causality keeps them out of real queries). anchor_topk i32[T, K]:
-        the anchor full layer's selection, for a shared-indexer layer. Peak memory per chunk is
-        O(chunk x T), never T x T.
+        the anchor full layer's selection, for a shared-indexer layer. Only the KV rows and
+        indexer keys exist for all T tokens at once; queries, scores and the MLP live per chunk,
+        so peak memory is O(chunk x T), never T x T.
         """
         config, attn = self.config, self.self_attn
         T = h.shape[0]
         positions = jnp.arange(T, dtype=jnp.int32)  # i32[T]
         x = self.input_layernorm(h)
-        cos, sin = rope.cos_sin(config.rope, config.qk_rope_head_dim, positions)
-        proj = attn.project(x, cos, sin)
-        rows = jnp.concatenate([proj.latent, proj.k_rope], axis=-1)  # [T, W]
-        index_keys = None
-        per_query = {"h": h, "positions": positions, "query": proj.query}
-        if attn.indexer is not None:
-            index_keys = attn.indexer.keys(x, cos, sin)  # [T, I]
-            per_query["iq"], per_query["iw"] = attn.indexer.queries(x, proj.q_resid, cos, sin)
-        else:
-            per_query["topk"] = anchor_topk
+        cos, sin = rope.cos_sin(config.rope, config.qk_rope_head_dim, positions)  # f32[T, P/2]
+        latent, k_rope = attn.kv_row(x, cos, sin)
+        rows = jnp.concatenate([latent, k_rope], axis=-1)  # [T, W]
+        index_keys = None if attn.indexer is None else attn.indexer.keys(x, cos, sin)  # [T, I]
 
         def one_chunk(c):
+            q_resid, query = attn.queries(c["x"], c["cos"], c["sin"])
             if attn.indexer is not None:
+                iq, iw = attn.indexer.queries(c["x"], q_resid, c["cos"], c["sin"])
                 allowed = positions[None, :] <= c["positions"][:, None]  # bool[chunk, T]
-                topk = select_topk(index_scores(c["iq"], c["iw"], index_keys), allowed, config.index_topk)
+                topk = select_topk(index_scores(iq, iw, index_keys), allowed, config.index_topk)
             else:
                 topk = c["topk"]
-            out = sparse_attention(c["query"], rows, topk, sm_scale=config.softmax_scale, latent_dim=config.kv_lora_rank)
+            out = sparse_attention(query, rows, topk, sm_scale=config.softmax_scale, latent_dim=config.kv_lora_rank)
             return self.finish(c["h"], out), topk
 
+        per_query = dict(h=h, x=x, cos=cos, sin=sin, positions=positions)
+        if attn.indexer is None:
+            per_query["topk"] = anchor_topk
         chunks = jax.tree.map(lambda a: a.reshape(T // chunk, chunk, *a.shape[1:]), per_query)
         hidden, topk = jax.lax.map(one_chunk, chunks)
         return PrefillOutput(hidden.reshape(T, -1), rows, index_keys, topk.reshape(T, -1))

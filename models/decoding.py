@@ -105,14 +105,14 @@ def cache_shardings(cache: DecodeCache) -> DecodeCache:
 # ---- decode ---------------------------------------------------------------------------------------
 
 
-def _decode_indexer(layer: DecoderLayer, x, proj, cos, sin, index_keys, j, positions):
+def _decode_indexer(layer: DecoderLayer, x, q_resid, cos, sin, index_keys, j, positions):
     """Writes the new indexer keys, returns (index_keys, top-k i32[R, K]) over each request's context."""
     indexer, config = layer.self_attn.indexer, layer.config
     R, C = index_keys.shape[1], index_keys.shape[2]
     keys = indexer.keys(x, cos, sin)  # [R, I]
     target = jnp.where(positions >= 0, positions, C)  # an inactive slot writes nothing
     index_keys = index_keys.at[j, jnp.arange(R), target].set(keys.astype(index_keys.dtype), mode="drop")
-    q, w = indexer.queries(x, proj.q_resid, cos, sin)  # [R, G, I], f32[R, G]
+    q, w = indexer.queries(x, q_resid, cos, sin)  # [R, G, I], f32[R, G]
     scores = jax.vmap(index_scores)(q[:, None], w[:, None], index_keys[j])[:, 0]  # f32[R, C]
     allowed = jnp.arange(C)[None, :] <= positions[:, None]  # bool[R, C]; nothing for inactive slots
     return index_keys, select_topk(scores, allowed, config.index_topk)
@@ -132,22 +132,23 @@ def decode_step(
     model: DSAForCausalLM = nnx.merge(graphdef, params)
     config = model.config
     kv, index_keys = cache.kv, cache.index_keys
-    layout = KVRowLayout.for_dtype(config.kv_lora_rank, config.qk_rope_head_dim, index_keys.dtype)
+    layout = KVRowLayout.for_dtype(config.kv_lora_rank, config.qk_rope_head_dim, model.dtype)
     h = model.embed_tokens(tokens)  # [R, D]
     cos, sin = rope.cos_sin(config.rope, config.qk_rope_head_dim, positions)  # f32[R, P/2]
     attend = dict(latent_dim=config.kv_lora_rank, sm_scale=config.softmax_scale, implementation=implementation)
     anchor, hits, misses = None, [], []
     for l, layer in enumerate(model.layers):
         x = layer.input_layernorm(h)
-        proj = layer.self_attn.project(x, cos, sin)
-        new_row = layout.pack(proj.latent, proj.k_rope)  # row[R, W]
+        q_resid, query = layer.self_attn.queries(x, cos, sin)  # [R, Q], [R, H, W]
+        new_row = layout.pack(*layer.self_attn.kv_row(x, cos, sin))  # row[R, W]
         if layer.self_attn.indexer is not None:
-            index_keys, topk = _decode_indexer(layer, x, proj, cos, sin, index_keys, config.indexer_cache_index(l), positions)
+            j = config.indexer_cache_index(l)
+            index_keys, topk = _decode_indexer(layer, x, q_resid, cos, sin, index_keys, j, positions)
             shared_next = l + 1 < config.num_layers and config.indexer_types[l + 1] == "shared"
-            kv, out, anchor = attention_layer(kv, l, proj.query, new_row, positions, topk, record_plan=shared_next, **attend)
+            kv, out, anchor = attention_layer(kv, l, query, new_row, positions, topk, record_plan=shared_next, **attend)
             info = anchor
         else:
-            kv, out, info = shared_attention_layer(kv, l, proj.query, new_row, positions, anchor, **attend)
+            kv, out, info = shared_attention_layer(kv, l, query, new_row, positions, anchor, **attend)
         h = layer.finish(h, out)
         hits.append(info.num_hits)
         misses.append(info.num_misses)

@@ -13,8 +13,6 @@ same logits through expanded keys; the two agree to float32 round-off.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -23,13 +21,6 @@ from configs.model import DSAModelConfig
 from models import rope
 from models.indexer import Indexer
 from models.layers import Linear, RMSNorm, einsum
-
-
-class MLAProjection(NamedTuple):
-    q_resid: jax.Array  # [T, Q]: normed query LoRA, shared with the indexer
-    query: jax.Array  # [T, H, W]: absorbed query, latent part then rotated rope part
-    latent: jax.Array  # [T, A]: kv_a_layernorm(latent), the value part of the KV row
-    k_rope: jax.Array  # [T, P]: rotated rope key
 
 
 class MLAttention(nnx.Module):
@@ -55,20 +46,26 @@ class MLAttention(nnx.Module):
         w = self.kv_b_proj.weight[...].reshape(self.num_heads, self.nope_dim + self.v_dim, self.latent_dim)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
-    def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> MLAProjection:
-        """x [T, D] (normed hidden), cos/sin f32[T, P/2] -> queries and this step's KV row parts."""
+    def queries(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [T, D] (normed hidden), cos/sin f32[T, P/2] -> (q_resid [T, Q], query [T, H, W]).
+
+        q_resid (the normed query LoRA) also feeds the indexer; query is absorbed: its latent
+        part, then its rotated rope part, in the KV row's order.
+        """
         q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [T, Q]
         q = self.q_b_proj(q_resid).reshape(*x.shape[:-1], self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q[..., : self.nope_dim], q[..., self.nope_dim :]  # [T, H, N], [T, H, P]
         q_rope = rope.apply_interleaved(q_rope, cos[..., None, :], sin[..., None, :])
         w_uk, _ = self._kv_b()
         q_latent = einsum("thn,hna->tha", q_nope, w_uk).astype(q.dtype)  # [T, H, A]
-        query = jnp.concatenate([q_latent, q_rope], axis=-1)  # [T, H, W]
+        return q_resid, jnp.concatenate([q_latent, q_rope], axis=-1)
 
+    def kv_row(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [T, D], cos/sin f32[T, P/2] -> (latent [T, A] after kv_a_layernorm, rotated k_rope [T, P]):
+        the two parts of each token's KV row."""
         kv = self.kv_a_proj_with_mqa(x)  # [T, A+P]
-        latent = self.kv_a_layernorm(kv[..., : self.latent_dim])  # [T, A]
-        k_rope = rope.apply_interleaved(kv[..., self.latent_dim :], cos, sin)  # [T, P]
-        return MLAProjection(q_resid, query, latent, k_rope)
+        latent = self.kv_a_layernorm(kv[..., : self.latent_dim])
+        return latent, rope.apply_interleaved(kv[..., self.latent_dim :], cos, sin)
 
     def output(self, attn: jax.Array) -> jax.Array:
         """attn f32[T, H, A] (softmax-weighted latents) -> [T, D] through W_UV and o_proj."""

@@ -6,13 +6,11 @@ Each public op takes `implementation=`:
   None:        "pallas" on GPU, "reference" elsewhere (interpret mode is for testing, not speed).
 A named implementation runs or raises; it never silently falls back.
 
-The Triton lowering and the CPU interpreter disagree in three places this module hides:
+The Triton lowering and the CPU interpreter disagree in two places this module hides:
   * a masked-off lane of a gather/scatter must not touch memory. On GPU the mask does that; the
     interpreter lowers to XLA gather/scatter, which clamps a negative index and would let a
     masked lane write back a stale value. Masked lanes therefore get the index one past the
     end, which XLA's scatter drops and the GPU never dereferences.
-  * the interpreter has no masked atomics (and its unmasked atomic scatter is not atomic for
-    duplicate indices), so atomic-min is emulated with a per-row read-modify-write there.
   * `debug_barrier` (a CTA-wide barrier, which also orders global memory within the program)
     has no interpreter rule; the interpreter runs a program sequentially and needs none.
 """
@@ -75,15 +73,6 @@ def gather(ref, indices: tuple, mask: jax.Array, other) -> jax.Array:
 def scatter(ref, indices: tuple, value: jax.Array, mask: jax.Array) -> None:
     """Masked store to ref[indices]; indices of masked-off lanes must come from safe_index."""
     plgpu.store(ref.at[indices], value, mask=mask)
-
-
-def scatter_min(ref, row, column: jax.Array, value: jax.Array, mask: jax.Array, interpret: bool) -> None:
-    """ref[row, column[i]] = min(ref[row, column[i]], value[i]) where mask[i], atomically."""
-    column = safe_index(column, mask, ref.shape[1])
-    if interpret:
-        ref[row, :] = ref[row, :].at[column].min(value, mode="drop")
-    else:
-        plgpu.atomic_min(ref, (row, column), value, mask=mask)
 
 
 def barrier(interpret: bool) -> None:

@@ -144,7 +144,7 @@ def swap_in_plan_reference(buffer_tokens, lru_slots, topk, lengths, page_table, 
 #
 # The program keeps no table of its own: a per-request row of `scratch` indexed by position
 # (SCRATCH_EMPTY between calls) plays the role of SGLang's shared-memory hash. Entry values:
-#   k >= 0        position first selected at top-k index k (atomic-min picks the first)
+#   k >= 0        position first selected at top-k index k
 #   -2 - slot     position resolved to `slot` (hit, or miss just assigned)
 # `order` is a per-request temporary: non-hit slots in LRU order from the front, hit slots in
 # LRU order from the back; the new LRU order is read straight out of it.
@@ -201,9 +201,31 @@ def _plan_kernel(
     def scratch_set(pos, value, mask):
         common.scatter(scratch_ref, (r, common.safe_index(pos, mask, C)), value, mask)
 
-    # Phase 1: mark the first occurrence of every position needing a slot.
+    # Phase 1: mark the first occurrence of every position needing a slot. Plain stores leave one
+    # arbitrary writer per position; repeating "store k where k is smaller" until no lane is
+    # smaller leaves the minimum (one pass unless the top-k repeats a position). JAX 0.11's
+    # Triton lowering mis-lowers a vector integer atomic_min (as a float min), so no atomics.
     for k, _, pos in topk_chunks():
-        common.scatter_min(scratch_ref, r, pos, k, needs_slot(pos), interpret)
+        scratch_set(pos, k, needs_slot(pos))
+    common.barrier(interpret)
+
+    def smaller_index_lost():
+        lost = jnp.int32(0)
+        for k, _, pos in topk_chunks():
+            want = needs_slot(pos)
+            lost = jnp.maximum(lost, jnp.max((want & (k < scratch_at(pos, want, -1))).astype(jnp.int32)))
+        return lost > 0
+
+    def store_smaller(_):
+        for k, _, pos in topk_chunks():
+            want = needs_slot(pos)
+            scratch_set(pos, k, want & (k < scratch_at(pos, want, -1)))
+        common.barrier(interpret)
+        return smaller_index_lost()
+
+    # The loop condition is carried, not read from refs: the interpreter evaluates a while
+    # condition on the refs as they were when the loop started.
+    jax.lax.while_loop(lambda lost: lost, store_smaller, smaller_index_lost())
     common.barrier(interpret)
 
     # Phase 1b: distinct positions, and whether the newest token was selected.
