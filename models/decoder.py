@@ -20,7 +20,7 @@ from flax import nnx
 from configs.model import DSAModelConfig
 from models import rope
 from models.indexer import index_scores, select_topk
-from models.layers import MLP, Linear, RMSNorm
+from models.layers import MLP, Linear, RMSNorm, einsum
 from models.mla import MLAttention, sparse_attention
 from models.moe import MoE
 
@@ -113,8 +113,7 @@ class DSAForCausalLM(nnx.Module):
         """h [..., D] (last layer's output) -> f32[..., V]."""
         h = self.norm(h)
         if self.lm_head is None:
-            return jnp.einsum("...d,vd->...v", h, self.embed_tokens.weight[...], precision=jax.lax.Precision.HIGHEST,
-                              preferred_element_type=jnp.float32)  # fmt: skip
+            return einsum("...d,vd->...v", h, self.embed_tokens.weight[...]).astype(jnp.float32)
         return self.lm_head(h).astype(jnp.float32)
 
 

@@ -4,7 +4,9 @@ Letters: T tokens (any leading shape), I input features, O output features, F ML
 
 Weights keep Hugging Face's layout ([out, in] for linear layers) so a checkpoint tensor becomes a
 parameter without a transpose. Every matmul runs at Precision.HIGHEST: in float32 on a GPU the
-default would use TF32 and flip the indexer's and router's discrete choices.
+default would use TF32 and flip the indexer's and router's discrete choices. Results come out in
+the operands' dtype (bf16 in a bf16 model, as torch's bf16 matmuls do); where the reference works
+in float32 (router, indexer scores, softmax) the operands are cast to float32 first.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 HIGHEST = jax.lax.Precision.HIGHEST
-einsum = functools.partial(jnp.einsum, precision=HIGHEST, preferred_element_type=jnp.float32)
+einsum = functools.partial(jnp.einsum, precision=HIGHEST)
 
 
 def fan_in_normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, fan_in: int) -> nnx.Param:
@@ -31,9 +33,9 @@ class Linear(nnx.Module):
         self.weight = fan_in_normal(rngs, (out_features, in_features), dtype, in_features)  # [O, I]
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        # x: [..., I] -> [..., O] in the weight's dtype, accumulated in f32
+        # x: [..., I] -> [..., O] in the weight's dtype
         weight = self.weight[...]
-        return einsum("...i,oi->...o", x.astype(weight.dtype), weight).astype(weight.dtype)
+        return einsum("...i,oi->...o", x.astype(weight.dtype), weight)
 
 
 class RMSNorm(nnx.Module):

@@ -57,7 +57,7 @@ class MLAttention(nnx.Module):
         q_nope, q_rope = q[..., : self.nope_dim], q[..., self.nope_dim :]  # [T, H, N], [T, H, P]
         q_rope = rope.apply_interleaved(q_rope, cos[..., None, :], sin[..., None, :])
         w_uk, _ = self._kv_b()
-        q_latent = einsum("thn,hna->tha", q_nope, w_uk).astype(q.dtype)  # [T, H, A]
+        q_latent = einsum("thn,hna->tha", q_nope, w_uk)  # [T, H, A]
         return q_resid, jnp.concatenate([q_latent, q_rope], axis=-1)
 
     def kv_row(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -72,9 +72,7 @@ class Experts(nnx.Module):
         xs = x[token].astype(dtype)  # [M, D]
 
         def grouped(lhs, rhs):
-            return jax.lax.ragged_dot(
-                lhs, rhs, group_sizes, precision=HIGHEST, preferred_element_type=jnp.float32
-            ).astype(dtype)
+            return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=HIGHEST)
 
         h = jax.nn.silu(grouped(xs, self.gate_proj[...])) * grouped(xs, self.up_proj[...])  # [M, F]
         out = grouped(h, self.down_proj[...]).astype(jnp.float32)  # f32[M, D]
