@@ -263,6 +263,29 @@ class Carry:
         checksum.block_until_ready()
 
 
+def time_swap_in_case(entry, w, carry, pool, kinds, plan_kw, copy_kw):
+    iters = FLAGS.iters
+    args = tuple(jnp.asarray(a) for a in (w.buffer_tokens, w.lru_slots, w.topk_sets, w.lengths, w.page_table))
+    args += (pool, jnp.int32(0))
+    base = swap_in_loop("base", iters, w.page_size, {}, {})
+    R, misses = entry["batch"], entry["misses_per_request"]
+    try:
+        for kind in kinds:
+            fn = swap_in_loop(kind, iters, w.page_size, plan_kw, copy_kw)
+            med, diffs = median_difference(lambda: carry.run(fn, *args), lambda: carry.run(base, *args), FLAGS.reps)
+            entry[f"{kind}_us"] = med / iters * 1e6
+            entry[f"{kind}_spread_us"] = (max(diffs) - min(diffs)) / iters * 1e6
+        if misses:
+            entry["miss_GBps"] = R * misses * ROW_BYTES / (entry[f"{kinds[0]}_us"] * 1e-6) / 1e9
+            entry["floor_us"] = R * misses * ROW_BYTES / (GATHER_FLOOR_GBPS[1] * 1e9) * 1e6
+    except Exception as e:  # keep timing the other cases
+        entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        RESULTS["errors"].append(traceback.format_exc()[-2000:])
+    RESULTS["swap_in"].append(entry)
+    log("  " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in entry.items()}))
+    save()
+
+
 def bench_swap_in_batch(rng, R, key):
     pool_rows = R * CONTEXT
     log(f"[swap-in] batch {R}: pool {pool_rows} rows = {pool_rows * ROW_BYTES / 1e9:.2f} GB pinned ...")
@@ -271,53 +294,29 @@ def bench_swap_in_batch(rng, R, key):
     pool.block_until_ready()
     log(f"  pool ready in {time.perf_counter() - t0:.1f} s")
     carry = Carry(R, CONTEXT)
-    zero = jnp.int32(0)
-    iters = FLAGS.iters
-    variants = [("pallas", {}, {})]
+    variants = [("pallas", {}, {}, "contiguous")]
     if FLAGS.tune:
         variants += [
-            ("pallas k2048 b4096 w8 rows32", dict(k_chunk=min(2048, TOP_K), b_chunk=min(4096, BUFFER), num_warps=8), dict(rows=32)),
-            ("pallas rows8 w2", {}, dict(rows=8, num_warps=2)),
+            ("pallas, fragmented pool", {}, {}, "random"),
+            ("pallas copy rows32 w8", {}, dict(rows=32, num_warps=8), "contiguous"),
         ]
     miss_counts = (0, 102, 410, 2048) if not FLAGS.smoke else (0, 2, 16)
     cases = [("fast path", 0, True)] + [(f"{m} misses", m, False) for m in miss_counts]
     for label, misses, fast in cases:
-        w = make_workload(rng, requests=R, buffer_size=BUFFER, top_k=TOP_K, context=CONTEXT if not fast else TOP_K, misses=misses, fast_path=fast)
-        args = tuple(jnp.asarray(a) for a in (w.buffer_tokens, w.lru_slots, w.topk_sets, w.lengths, w.page_table)) + (pool, zero)
-        base = swap_in_loop("base", iters, w.page_size, {}, {})
-        carry.run(base, *args)
-        for name, plan_kw, copy_kw in variants:
+        for name, plan_kw, copy_kw, layout in variants:
+            if layout != "contiguous" and misses == 0:
+                continue  # nothing is copied: the page layout cannot matter
+            w = make_workload(
+                rng, requests=R, buffer_size=BUFFER, top_k=TOP_K, context=CONTEXT if not fast else TOP_K, misses=misses,
+                fast_path=fast, page_layout=layout,
+            )
             entry = {"batch": R, "case": label, "misses_per_request": misses, "variant": name}
-            try:
-                for kind in (["swap_in", "plan"] if name == "pallas" else ["swap_in"]):
-                    fn = swap_in_loop(kind, iters, w.page_size, plan_kw, copy_kw)
-                    carry.run(fn, *args)  # compile + warm
-                    med, diffs = median_difference(lambda: carry.run(fn, *args), lambda: carry.run(base, *args), FLAGS.reps)
-                    entry[f"{kind}_us"] = med / iters * 1e6
-                    entry[f"{kind}_spread_us"] = (max(diffs) - min(diffs)) / iters * 1e6
-                if misses:
-                    entry["miss_GBps"] = R * misses * ROW_BYTES / (entry["swap_in_us"] * 1e-6) / 1e9
-                    entry["floor_us"] = R * misses * ROW_BYTES / (GATHER_FLOOR_GBPS[1] * 1e9) * 1e6
-            except Exception as e:  # keep timing the other cases
-                entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                RESULTS["errors"].append(traceback.format_exc()[-2000:])
-            RESULTS["swap_in"].append(entry)
-            log("  " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in entry.items()}))
-            save()
-    # XLA's own plan (jnp reference) with the Pallas copy, the in-run baseline for the plan kernel.
+            time_swap_in_case(entry, w, carry, pool, ["swap_in", "plan"] if name == "pallas" else ["swap_in"], plan_kw, copy_kw)
+    # XLA's own plan (the jnp reference) with the Pallas copy: the in-run baseline for the plan kernel.
     if R <= 64:
         w = make_workload(rng, requests=R, buffer_size=BUFFER, top_k=TOP_K, context=CONTEXT, misses=min(102, TOP_K // 4))
-        args = tuple(jnp.asarray(a) for a in (w.buffer_tokens, w.lru_slots, w.topk_sets, w.lengths, w.page_table)) + (pool, zero)
-        base = swap_in_loop("base", iters, w.page_size, {}, {})
-        fn = swap_in_loop("reference_plan+copy", iters, w.page_size, {}, {})
-        try:
-            carry.run(fn, *args)
-            med, _ = median_difference(lambda: carry.run(fn, *args), lambda: carry.run(base, *args), FLAGS.reps)
-            entry = {"batch": R, "case": "102 misses", "variant": "xla reference plan + pallas copy", "swap_in_us": med / iters * 1e6}
-        except Exception as e:
-            entry = {"batch": R, "variant": "xla reference plan + pallas copy", "error": str(e)[:300]}
-        RESULTS["swap_in"].append(entry)
-        log("  " + json.dumps(entry))
+        entry = {"batch": R, "case": "102 misses", "misses_per_request": min(102, TOP_K // 4), "variant": "xla reference plan + pallas copy"}
+        time_swap_in_case(entry, w, carry, pool, ["reference_plan+copy"], {}, {})
     # The link ceiling in the same run: one contiguous host -> device copy of 2048 rows per request.
     contiguous = jax.jit(lambda p: jax.device_put(p[:, : R * TOP_K], memory.sharding(memory.DEVICE)))
     try:
@@ -366,11 +365,7 @@ def run_attention():
     zero = jnp.int32(0)
     tunings = [{}]
     if FLAGS.tune:
-        tunings += [
-            dict(block_h=64, block_k=64, num_warps=8, num_stages=2),
-            dict(block_h=32, block_k=128, num_warps=8, num_stages=2),
-            dict(block_h=32, block_k=64, num_warps=4, num_stages=3),
-        ]
+        tunings += [dict(block_h=64, block_k=64, num_warps=8, num_stages=2)]
     for R in (16, 64, 128) if not FLAGS.smoke else (2,):
         kv = jnp.asarray(rng.standard_normal((1, R, BUFFER + 1, WIDTH)), jnp.bfloat16)
         slots_sets = jnp.asarray(np.stack([[rng.choice(BUFFER + 1, TOP_K, replace=False) for _ in range(R)] for _ in range(3)]), jnp.int32)

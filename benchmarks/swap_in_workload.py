@@ -25,11 +25,16 @@ class SwapInWorkload:
     pool_rows: int
 
 
-def make_workload(rng, *, requests, buffer_size, top_k, context, misses, page_size=64, num_sets=4, fast_path=False):
+def make_workload(rng, *, requests, buffer_size, top_k, context, misses, page_size=64, num_sets=4, fast_path=False, page_layout="contiguous"):
     R, B, K = requests, buffer_size, top_k
     pages_per_request = -(-context // page_size)
     pool_pages = R * pages_per_request
-    page_table = rng.permutation(pool_pages).astype(np.int32).reshape(R, pages_per_request)
+    if page_layout == "contiguous":  # what a fresh allocator hands out: each request's pages in a row
+        page_table = np.arange(pool_pages, dtype=np.int32).reshape(R, pages_per_request)
+    elif page_layout == "random":  # a fragmented pool: pages scattered over all of it
+        page_table = rng.permutation(pool_pages).astype(np.int32).reshape(R, pages_per_request)
+    else:
+        raise ValueError(f"page_layout {page_layout!r}")
     lru = np.stack([rng.permutation(B) for _ in range(R)]).astype(np.int32)[None]
     if fast_path:  # n = K <= B: slot j holds token j, the selection is every position
         tokens = np.full((1, R, B), -1, np.int32)

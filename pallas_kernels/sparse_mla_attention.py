@@ -118,10 +118,22 @@ def _attention_kernel(
         )
 
 
-# Launch shape measured best of 4 on the H200 (docs/PERFORMANCE.md): batch 128, 128 heads,
-# top_k 2048 ran 604 us vs 644 us for (32, 32, 4 warps, 1 stage) and 1292 us for (16, 64, 4, 1).
-def sparse_mla_attention_pallas(query, kv, layer, slots, *, latent_dim, sm_scale, block_h=32, block_k=64, num_warps=8, num_stages=2):
+def default_launch_shape(num_requests: int, num_heads: int) -> dict:
+    """Measured on the H200 (docs/PERFORMANCE.md, top_k 2048, bf16): 64-head blocks win once the
+    grid is large (batch 128 x 128 heads: 406 us vs 614 us for 32-head blocks), 32-head blocks
+    with 128-row key blocks when it is small (batch 16 x 128 heads: 105 us vs 207 us)."""
+    if num_requests * num_heads >= 8192:
+        return dict(block_h=64, block_k=64, num_warps=8, num_stages=2)
+    return dict(block_h=32, block_k=128, num_warps=8, num_stages=2)
+
+
+def sparse_mla_attention_pallas(query, kv, layer, slots, *, latent_dim, sm_scale, block_h=None, block_k=None, num_warps=None, num_stages=None):
     R, H, _ = query.shape
+    shape = default_launch_shape(R, H)
+    block_h = block_h or shape["block_h"]
+    block_k = block_k or shape["block_k"]
+    num_warps = num_warps or shape["num_warps"]
+    num_stages = num_stages or shape["num_stages"]
     # Triton dots need every dimension >= 16: pad the head block and mask the extra heads.
     block_h = max(16, min(block_h, common.next_power_of_2(H)))
     block_k = max(16, min(block_k, common.next_power_of_2(slots.shape[1])))

@@ -175,25 +175,9 @@ def _plan_kernel(
 ):
     r = pl.program_id(0)
     layer = layer_ref[0]
-    K, B, C = topk_ref.shape[1], buffer_tokens_ref.shape[2], scratch_ref.shape[1]
+    K, B, C, P = topk_ref.shape[1], buffer_tokens_ref.shape[2], scratch_ref.shape[1], page_table_ref.shape[1]
     n = lengths_ref[r]
     newest = n - 1
-
-    def topk_chunks():
-        """(k, in_range, pos) for each chunk of the top-k row; pos is -1 out of range."""
-        for start in range(0, K, k_chunk):
-            k = start + jnp.arange(k_chunk, dtype=jnp.int32)
-            in_range = k < K
-            pos = common.gather(topk_ref, (r, common.safe_index(k, in_range, K)), in_range, -1)
-            yield k, in_range, pos
-
-    def slot_chunks():
-        for start in range(0, B, b_chunk):
-            i = start + jnp.arange(b_chunk, dtype=jnp.int32)
-            yield i, i < B
-
-    def needs_slot(pos):
-        return (pos >= 0) & (pos != newest)
 
     def scratch_at(pos, mask, other):
         return common.gather(scratch_ref, (r, common.safe_index(pos, mask, C)), mask, other)
@@ -201,49 +185,65 @@ def _plan_kernel(
     def scratch_set(pos, value, mask):
         common.scatter(scratch_ref, (r, common.safe_index(pos, mask, C)), value, mask)
 
+    # The top-k row, loaded once and kept in registers through every phase: each reload would
+    # be one more dependent memory round trip on a program that is latency-bound.
+    topk_chunks = []  # (k, in_range, pos, wants_slot) per chunk of the row
+    for start in range(0, K, k_chunk):
+        k = start + jnp.arange(k_chunk, dtype=jnp.int32)
+        in_range = k < K
+        pos = common.gather(topk_ref, (r, common.safe_index(k, in_range, K)), in_range, -1)
+        topk_chunks.append((k, in_range, pos, (pos >= 0) & (pos != newest)))
+    num_wanted = sum(jnp.sum(want.astype(jnp.int32)) for *_, want in topk_chunks)
+    newest_selected = functools.reduce(
+        jnp.maximum, [jnp.max(((pos >= 0) & (pos == newest)).astype(jnp.int32)) for _, _, pos, _ in topk_chunks]
+    )
+
+    def slot_chunks():
+        for start in range(0, B, b_chunk):
+            i = start + jnp.arange(b_chunk, dtype=jnp.int32)
+            yield i, i < B
+
     # Phase 1: mark the first occurrence of every position needing a slot. Plain stores leave one
     # arbitrary writer per position; repeating "store k where k is smaller" until no lane is
-    # smaller leaves the minimum (one pass unless the top-k repeats a position). JAX 0.11's
+    # smaller leaves the minimum (no repeat pass unless the top-k repeats a position). JAX 0.11's
     # Triton lowering mis-lowers a vector integer atomic_min (as a float min), so no atomics.
-    for k, _, pos in topk_chunks():
-        scratch_set(pos, k, needs_slot(pos))
+    for k, _, pos, want in topk_chunks:
+        scratch_set(pos, k, want)
     common.barrier(interpret)
 
-    def smaller_index_lost():
-        lost = jnp.int32(0)
-        for k, _, pos in topk_chunks():
-            want = needs_slot(pos)
-            lost = jnp.maximum(lost, jnp.max((want & (k < scratch_at(pos, want, -1))).astype(jnp.int32)))
-        return lost > 0
+    def survey():
+        """(a smaller index lost a store somewhere, distinct positions marked)."""
+        lost, distinct = jnp.int32(0), jnp.int32(0)
+        for k, _, pos, want in topk_chunks:
+            marked = scratch_at(pos, want, -1)
+            lost = jnp.maximum(lost, jnp.max((want & (k < marked)).astype(jnp.int32)))
+            distinct += jnp.sum((want & (marked == k)).astype(jnp.int32))
+        return lost > 0, distinct
 
     def store_smaller(_):
-        for k, _, pos in topk_chunks():
-            want = needs_slot(pos)
+        for k, _, pos, want in topk_chunks:
             scratch_set(pos, k, want & (k < scratch_at(pos, want, -1)))
         common.barrier(interpret)
-        return smaller_index_lost()
+        return survey()
 
     # The loop condition is carried, not read from refs: the interpreter evaluates a while
     # condition on the refs as they were when the loop started.
-    jax.lax.while_loop(lambda lost: lost, store_smaller, smaller_index_lost())
+    _, num_distinct = jax.lax.while_loop(lambda carry: carry[0], store_smaller, survey())
+    has_repeats = num_distinct < num_wanted
     common.barrier(interpret)
 
-    # Phase 1b: distinct positions, and whether the newest token was selected.
-    num_distinct = jnp.int32(0)
-    newest_selected = jnp.int32(0)
-    for k, _, pos in topk_chunks():
-        want = needs_slot(pos)
-        num_distinct += jnp.sum((want & (scratch_at(pos, want, -1) == k)).astype(jnp.int32))
-        newest_selected = jnp.maximum(newest_selected, jnp.max(((pos >= 0) & (pos == newest)).astype(jnp.int32)))
-    common.barrier(interpret)
+    def write_plan_padding(num_misses):
+        for k, in_range, _, _ in topk_chunks:
+            past_end = in_range & (k >= num_misses)
+            safe_k = common.safe_index(k, past_end, K)
+            common.scatter(miss_host_ref, (r, safe_k), jnp.full_like(k, -1), past_end)
+            common.scatter(miss_device_ref, (r, safe_k), jnp.full_like(k, -1), past_end)
 
     @pl.when(n <= B)
     def _fast_path():
-        for k, in_range, pos in topk_chunks():
-            safe_k = common.safe_index(k, in_range, K)
-            common.scatter(slots_ref, (r, safe_k), pos, in_range)
-            common.scatter(miss_host_ref, (r, safe_k), jnp.full_like(k, -1), in_range)
-            common.scatter(miss_device_ref, (r, safe_k), jnp.full_like(k, -1), in_range)
+        for k, in_range, pos, _ in topk_chunks:
+            common.scatter(slots_ref, (r, common.safe_index(k, in_range, K)), pos, in_range)
+        write_plan_padding(0)
         counts_ref[r, 0] = num_distinct + newest_selected
         counts_ref[r, 1] = jnp.int32(0)
 
@@ -267,23 +267,30 @@ def _plan_kernel(
             num_nonhit += jnp.sum(nonhit.astype(jnp.int32))
         common.barrier(interpret)
 
-        # Phase 3: first occurrences not hit are misses; the i-th takes order[i].
+        # Phase 3: first occurrences not hit are misses; the i-th takes order[i]. Every entry
+        # but a repeat of a miss learns its slot here.
         num_misses = jnp.int32(0)
-        for k, _, pos in topk_chunks():
-            want = needs_slot(pos)
-            miss = want & (scratch_at(pos, want, -1) == k)
+        unresolved = []  # per chunk: repeats of a miss, resolved below through the scratch
+        for k, in_range, pos, want in topk_chunks:
+            code = scratch_at(pos, want, -1)
+            miss = want & (code == k)
             rank = num_misses + jnp.cumsum(miss.astype(jnp.int32)) - 1
             victim = common.gather(order_ref, (r, common.safe_index(rank, miss, B)), miss, -1)
-            scratch_set(pos, -2 - victim, miss)
+            page = common.gather(page_table_ref, (r, common.safe_index(pos // page_size, miss, P)), miss, 0)
             common.scatter(buffer_tokens_ref, (layer, r, common.safe_index(victim, miss, B)), pos, miss)
-            page = common.gather(page_table_ref, (r, common.safe_index(pos // page_size, miss, page_table_ref.shape[1])), miss, 0)
             safe_rank = common.safe_index(rank, miss, K)
             common.scatter(miss_host_ref, (r, safe_rank), page * page_size + pos % page_size, miss)
             common.scatter(miss_device_ref, (r, safe_rank), victim, miss)
+            hit = want & (code <= -2)
+            slot = jnp.where(hit, -2 - code, jnp.where(miss, victim, jnp.where(pos >= 0, B, -1)))
+            known = in_range & (hit | miss | ~want)
+            common.scatter(slots_ref, (r, common.safe_index(k, known, K)), slot, known)
+            scratch_set(pos, -2 - victim, miss & has_repeats)
+            unresolved.append(in_range & ~known)
             num_misses += jnp.sum(miss.astype(jnp.int32))
-        common.barrier(interpret)
+        write_plan_padding(num_misses)
 
-        # Phase 4: new LRU order, the slot of every entry, plan padding, counters.
+        # Phase 4: new LRU order, read straight out of `order` (which phase 3 only read).
         untouched = B - num_hit - num_misses
         for j, in_range in slot_chunks():
             source = jnp.where(
@@ -293,23 +300,19 @@ def _plan_kernel(
             )
             slot = common.gather(order_ref, (r, common.safe_index(source, in_range, B)), in_range, 0)
             common.scatter(lru_ref, (layer, r, common.safe_index(j, in_range, B)), slot, in_range)
-        for k, in_range, pos in topk_chunks():
-            want = needs_slot(pos)
-            code = scratch_at(pos, want, -1)
-            slot = jnp.where(want, -2 - code, jnp.where(pos >= 0, B, -1))
-            safe_k = common.safe_index(k, in_range, K)
-            common.scatter(slots_ref, (r, safe_k), slot, in_range)
-            past_end = in_range & (k >= num_misses)
-            safe_pad = common.safe_index(k, past_end, K)
-            common.scatter(miss_host_ref, (r, safe_pad), jnp.full_like(k, -1), past_end)
-            common.scatter(miss_device_ref, (r, safe_pad), jnp.full_like(k, -1), past_end)
         counts_ref[r, 0] = num_distinct - num_misses + newest_selected
         counts_ref[r, 1] = num_misses
 
+        @pl.when(has_repeats)
+        def _resolve_repeated_misses():
+            common.barrier(interpret)
+            for (k, _, pos, _), repeat in zip(topk_chunks, unresolved):
+                slot = -2 - scratch_at(pos, repeat, -1)
+                common.scatter(slots_ref, (r, common.safe_index(k, repeat, K)), slot, repeat)
+
     # Phase 5: leave the scratch row empty for the next call.
     common.barrier(interpret)
-    for _, _, pos in topk_chunks():
-        want = needs_slot(pos)
+    for _, _, pos, want in topk_chunks:
         scratch_set(pos, jnp.full_like(pos, SCRATCH_EMPTY), want)
 
 
@@ -323,9 +326,9 @@ def swap_in_plan_pallas(
     page_table,  # i32[R, P]
     *,
     page_size: int,
-    k_chunk: int = 1024,
-    b_chunk: int = 1024,
-    num_warps: int = 4,
+    k_chunk: int = 2048,
+    b_chunk: int = 4096,
+    num_warps: int = 8,
 ):
     """The Pallas plan kernel for `layer`; updates buffer_tokens/lru_slots/scratch in place.
 

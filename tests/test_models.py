@@ -50,6 +50,14 @@ def assert_logits_close(actual, expected):
     assert error < RTOL, f"max error {error:.2e} of the largest |logit|"
 
 
+def assert_same_logits(actual, expected):
+    """HiSparse on vs off: bit-identical on the CPU; the GPU kernels may differ in the last bit."""
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(actual, expected)
+    else:
+        np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
 def sort_topk(topk):
     """Ascending positions, -1 padding last (the fixtures' order)."""
     topk = np.asarray(topk)
@@ -103,7 +111,7 @@ def test_glm_shared_index_layers_decode_identically_with_hisparse_on_and_off(glm
     off = generate(runner, prompts, 10)
     on = generate(runner, prompts, 10, hisparse=HiSparseConfig(top_k=8, device_buffer_size=9), page_size=8, fill_value=np.nan)
     np.testing.assert_array_equal(on.tokens, off.tokens)
-    np.testing.assert_array_equal(on.logits, off.logits)
+    assert_same_logits(on.logits, off.logits)
     shared = [i for i, t in enumerate(glm.config.indexer_types) if t == "shared"]
     assert on.num_misses[:, shared].sum() > 0
     # A shared layer replays its anchor's swap-in: same hits and misses.
@@ -113,7 +121,7 @@ def test_glm_shared_index_layers_decode_identically_with_hisparse_on_and_off(glm
 
 def test_bfloat16_decodes_identically_with_hisparse_on_and_off():
     # The fixtures' sparse selection amplifies bf16 round-off far beyond any tolerance (rounding
-    # the weights alone changes most top-k sets and the logits by O(1)), so bf16 is checked for
+    # the weights alone changes many top-k sets and the logits by O(1)), so bf16 is checked for
     # self-consistency only.
     model = load_hf_checkpoint(GLM, dtype=jnp.bfloat16)
     prompts = np.random.default_rng(3).integers(0, model.config.vocab_size, (2, 24)).astype(np.int32)
@@ -122,7 +130,7 @@ def test_bfloat16_decodes_identically_with_hisparse_on_and_off():
     on = generate(runner, prompts, 6, hisparse=HiSparseConfig(top_k=8, device_buffer_size=9), page_size=8)
     assert on.num_misses.sum() > 0
     np.testing.assert_array_equal(on.tokens, off.tokens)
-    np.testing.assert_array_equal(on.logits, off.logits)
+    assert_same_logits(on.logits, off.logits)
 
 
 def test_inactive_request_slots_change_nothing(glm):
