@@ -294,12 +294,9 @@ def bench_swap_in_batch(rng, R, key):
     pool.block_until_ready()
     log(f"  pool ready in {time.perf_counter() - t0:.1f} s")
     carry = Carry(R, CONTEXT)
-    variants = [("pallas", {}, {}, "contiguous")]
+    variants = [("pallas", {}, {}, "contiguous"), ("pallas, fragmented pool", {}, {}, "random")]
     if FLAGS.tune:
-        variants += [
-            ("pallas, fragmented pool", {}, {}, "random"),
-            ("pallas copy rows32 w8", {}, dict(rows=32, num_warps=8), "contiguous"),
-        ]
+        variants += [("pallas copy rows32 w8", {}, dict(rows=32, num_warps=8), "contiguous")]
     miss_counts = (0, 102, 410, 2048) if not FLAGS.smoke else (0, 2, 16)
     cases = [("fast path", 0, True)] + [(f"{m} misses", m, False) for m in miss_counts]
     for label, misses, fast in cases:
