@@ -179,7 +179,7 @@ def check_no_pool_copy(rng):
         spec((R, TOP_K)), spec((R,)), spec(w.page_table.shape), pool,
     ).compile().as_text()
     pool_shape = f"bf16[1,{w.pool_rows},{WIDTH}]"
-    offending = [line.strip() for line in text.splitlines() if pool_shape in line and " copy" in line]
+    offending = memory.hlo_copy_lines(text, pool_shape)
     mentions = sum(pool_shape in line for line in text.splitlines())
     return not offending, {"pool_shape": pool_shape, "offending": offending[:3], "lines_mentioning_pool": mentions}
 

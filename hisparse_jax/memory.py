@@ -42,3 +42,12 @@ def allocate(shape, dtype, fill_value, memory_kind: str, device: jax.Device | No
         return jnp.full(shape, fill_value, dtype)
 
     return make()
+
+
+def hlo_copy_lines(compiled_hlo_text: str, shape: str) -> list[str]:
+    """Lines of optimised HLO that copy an array of `shape` (e.g. "bf16[1,524288,576]").
+
+    The swap-in must read the pinned pool in place; a `copy` of the pool's shape would mean XLA
+    staged it on the device (9.7 GB per layer at batch 256), which tests and benchmarks forbid.
+    """
+    return [line.strip() for line in compiled_hlo_text.splitlines() if shape in line and " copy" in line]

@@ -1,0 +1,39 @@
+import pytest
+
+from hisparse_jax.config import HiSparseConfig, HiSparseConfigError
+
+
+def test_sglang_json_round_trip():
+    text = '{"top_k": 2048, "device_buffer_size": 6144, "host_to_device_ratio": 10, "swap_in_block_size": 960}'
+    config = HiSparseConfig.from_json(text)
+    assert (config.top_k, config.device_buffer_size, config.host_to_device_ratio) == (2048, 6144, 10)
+    assert HiSparseConfig.from_json(config.to_json()) == config
+
+
+def test_defaults_follow_sglang():
+    assert HiSparseConfig.from_json(None) == HiSparseConfig(2048, 4096, 2, 960)
+    assert HiSparseConfig.from_json('{"top_k": 16}').device_buffer_size == 32  # 2 x the given top_k
+
+
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ('{"top_k": 8, "device_buffer_size": 4}', "device_buffer_size"),
+        ('{"top_k": 0}', "top_k"),
+        ('{"top_k": true}', "top_k"),
+        ('{"host_to_device_ratio": "8"}', "host_to_device_ratio"),
+        ('{"swap_in_block_size": 2048}', "swap_in_block_size"),
+        ('{"swap_in_block_size": -1}', "swap_in_block_size"),
+        ('{"topk": 2048}', "topk"),
+        ("[1, 2]", "JSON object"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_errors_name_the_field(text, field):
+    with pytest.raises(HiSparseConfigError, match=field):
+        HiSparseConfig.from_json(text)
+
+
+def test_config_is_frozen():
+    with pytest.raises(Exception):
+        HiSparseConfig().top_k = 1
