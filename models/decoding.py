@@ -105,13 +105,18 @@ def cache_shardings(cache: DecodeCache) -> DecodeCache:
 # ---- decode ---------------------------------------------------------------------------------------
 
 
-def _decode_indexer(layer: DecoderLayer, x, q_resid, cos, sin, index_keys, j, positions):
-    """Writes the new indexer keys, returns (index_keys, top-k i32[R, K]) over each request's context."""
+def _decode_indexer(layer: DecoderLayer, x, q_resid, cos, sin, index_keys, j, positions, topk=None):
+    """Writes the new indexer keys, returns (index_keys, top-k i32[R, K]) over each request's context.
+
+    topk i32[R, K], when given, is returned instead of the indexer's own choice (the scoring is
+    skipped; the keys are still written)."""
     indexer, config = layer.self_attn.indexer, layer.config
     R, C = index_keys.shape[1], index_keys.shape[2]
     keys = indexer.keys(x, cos, sin)  # [R, I]
     target = jnp.where(positions >= 0, positions, C)  # an inactive slot writes nothing
     index_keys = index_keys.at[j, jnp.arange(R), target].set(keys.astype(index_keys.dtype), mode="drop")
+    if topk is not None:
+        return index_keys, topk
     q, w = indexer.queries(x, q_resid, cos, sin)  # [R, G, I], f32[R, G]
     scores = jax.vmap(index_scores)(q[:, None], w[:, None], index_keys[j])[:, 0]  # f32[R, C]
     allowed = jnp.arange(C)[None, :] <= positions[:, None]  # bool[R, C]; nothing for inactive slots
@@ -124,11 +129,17 @@ def decode_step(
     cache: DecodeCache,
     tokens: jax.Array,  # i32[R]: this step's input token per request slot
     positions: jax.Array,  # i32[R]: its position (= tokens stored so far), -1 for an inactive slot
+    topk: jax.Array | None = None,  # i32[J, R, K]: per full-indexer layer, overrides the indexer's top-k
     *,
     implementation: str | None = None,
 ) -> tuple[DecodeCache, jax.Array, StepTelemetry]:
     """One token for every request slot -> (cache, logits f32[R, V], telemetry). Traceable; see
-    ModelRunner for the jitted, cache-donating version."""
+    ModelRunner for the jitted, cache-donating version.
+
+    topk None: each full layer's indexer selects. Given, it is what the layers attend to instead
+    (the engine's labelled synthetic selection, hisparse_jax.synthetic_selection); entries must
+    be distinct positions in [0, positions[r]], -1 padding.
+    """
     model: DSAForCausalLM = nnx.merge(graphdef, params)
     config = model.config
     kv, index_keys = cache.kv, cache.index_keys
@@ -143,9 +154,10 @@ def decode_step(
         new_row = layout.pack(*layer.self_attn.kv_row(x, cos, sin))  # row[R, W]
         if layer.self_attn.indexer is not None:
             j = config.indexer_cache_index(l)
-            index_keys, topk = _decode_indexer(layer, x, q_resid, cos, sin, index_keys, j, positions)
+            override = None if topk is None else topk[j]
+            index_keys, selected = _decode_indexer(layer, x, q_resid, cos, sin, index_keys, j, positions, override)
             shared_next = l + 1 < config.num_layers and config.indexer_types[l + 1] == "shared"
-            kv, out, anchor = attention_layer(kv, l, query, new_row, positions, topk, record_plan=shared_next, **attend)
+            kv, out, anchor = attention_layer(kv, l, query, new_row, positions, selected, record_plan=shared_next, **attend)
             info = anchor
         else:
             kv, out, info = shared_attention_layer(kv, l, query, new_row, positions, anchor, **attend)
@@ -250,9 +262,12 @@ class ModelRunner:
             h = out.hidden
         return DecodeCache(kv, index_keys), self._logits(self.params, h[T - 1])
 
-    def decode_step(self, cache: DecodeCache, tokens, positions) -> tuple[DecodeCache, jax.Array, StepTelemetry]:
-        """decode_step jitted with the cache donated: tokens i32[R], positions i32[R] (-1 inactive)."""
-        return self._jitted(cache)["decode"](self.params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32))
+    def decode_step(self, cache: DecodeCache, tokens, positions, topk=None) -> tuple[DecodeCache, jax.Array, StepTelemetry]:
+        """decode_step jitted with the cache donated: tokens i32[R], positions i32[R] (-1 inactive),
+        topk None or i32[J, R, K] (overrides the indexers' selection, see decode_step)."""
+        return self._jitted(cache)["decode"](
+            self.params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), topk
+        )
 
 
 # ---- greedy generation ----------------------------------------------------------------------------
