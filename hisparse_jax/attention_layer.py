@@ -87,7 +87,7 @@ def attention_layer(
     if query.shape[-1] != new_row.shape[-1]:
         raise ValueError(f"query width {query.shape[-1]} != new_row width {new_row.shape[-1]}")
     if isinstance(state, FullKVState):
-        return _dense_attention_layer(state, layer, query, new_row, positions, topk, latent_dim, sm_scale, implementation)
+        return _dense_attention_layer(state, layer, query, new_row, positions, topk, latent_dim, sm_scale, implementation, record_plan)
     state = _write_newest(state, layer, new_row, positions)
     plan, buffer_tokens, lru_slots, scratch = swap_in_plan(
         state.buffer_tokens,
@@ -141,7 +141,7 @@ def shared_attention_layer(
     plan = anchor.plan
     if isinstance(state, FullKVState):
         # Without offload the slots are the positions themselves; the anchor's dense path keeps them.
-        return _dense_attention_layer(state, layer, query, new_row, positions, plan.slots, latent_dim, sm_scale, implementation)
+        return _dense_attention_layer(state, layer, query, new_row, positions, plan.slots, latent_dim, sm_scale, implementation, True)
     state = _write_newest(state, layer, new_row, positions)
     device_buffer = copy_host_rows_to_buffer(
         state.host_pool,
@@ -166,7 +166,7 @@ def _distinct_valid(topk):
     return jnp.sum(fresh & (ordered >= 0), axis=1, dtype=jnp.int32)
 
 
-def _dense_attention_layer(state: FullKVState, layer, query, new_row, positions, topk, latent_dim, sm_scale, implementation):
+def _dense_attention_layer(state: FullKVState, layer, query, new_row, positions, topk, latent_dim, sm_scale, implementation, record_plan):
     R, C = state.num_requests, state.max_context
     kv = state.kv.at[layer, jnp.arange(R), jnp.where(positions >= 0, positions, C)].set(
         new_row.astype(state.kv.dtype), mode="drop"
@@ -180,4 +180,4 @@ def _dense_attention_layer(state: FullKVState, layer, query, new_row, positions,
         miss_host_slots=jnp.full_like(topk, -1),
         miss_device_slots=jnp.full_like(topk, -1),
     )
-    return state, out, LayerStepInfo(plan.num_hits, plan.num_misses, plan)
+    return state, out, LayerStepInfo(plan.num_hits, plan.num_misses, plan if record_plan else None)

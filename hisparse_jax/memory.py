@@ -29,13 +29,14 @@ def memory_kind_of(x: jax.Array) -> str | None:
     return getattr(x.sharding, "memory_kind", None)
 
 
-def allocate(shape, dtype, fill_value, memory_kind: str, device: jax.Device | None = None) -> jax.Array:
-    """A filled array created directly in `memory_kind`.
+def allocate(shape, dtype, fill_value, memory_kind: str, device: jax.Device | None = None, *, placement=None) -> jax.Array:
+    """A filled array created directly in `memory_kind` on `device`, or with the sharding
+    `placement` (which then also carries the memory kind).
 
     Never goes through a numpy array first: that needs twice the RAM for a large host pool
     (GPU_FACTS: 64 GiB pinned took 35 s this way, and would need 128 GiB via numpy).
     """
-    out = sharding(memory_kind, device)
+    out = placement if placement is not None else sharding(memory_kind, device)
 
     @functools.partial(jax.jit, out_shardings=out)
     def make():

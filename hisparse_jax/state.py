@@ -23,10 +23,17 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hisparse_jax import memory
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.row_layout import KVRowLayout
+
+# Mesh axis the request slots are split over (data-parallel attention, hisparse_jax.sharding).
+# Every array with a request dimension is split on it; nothing else is, so no device holds
+# another data-parallel group's KV.
+REQUEST_AXIS = "dp"
 
 # Value of an unused swap-in scratch entry: larger than any top-k index, so marking the first
 # occurrence of a position (the smallest top-k index) works against it.
@@ -35,6 +42,46 @@ SCRATCH_EMPTY = np.iinfo(np.int32).max
 
 def _field(static: bool = False):
     return dataclasses.field(metadata=dict(static=static))
+
+
+# Which dimension of each state array indexes request slots (None: no such dimension).
+_REQUEST_DIM = {
+    "device_buffer": 1,
+    "buffer_tokens": 1,
+    "lru_slots": 1,
+    "host_pool": 1,  # pool rows: each data-parallel group owns one contiguous block
+    "host_page_table": 0,
+    "seq_lens": 0,
+    "swap_in_scratch": 0,
+    "kv": 1,
+}
+
+
+def partition_specs(state):
+    """The PartitionSpec of every array of a HiSparseState / FullKVState over a ("dp", ...) mesh."""
+
+    def spec(path, leaf):
+        name = path[-1].name
+        dims = [None] * leaf.ndim
+        dims[_REQUEST_DIM[name]] = REQUEST_AXIS
+        return P(*dims)
+
+    return jax.tree_util.tree_map_with_path(spec, state)
+
+
+class _Placer:
+    """Where `create` puts each array: one device, or split over a mesh's request axis."""
+
+    def __init__(self, device: jax.Device | None, mesh: Mesh | None):
+        self.device, self.mesh = device, mesh
+
+    def __call__(self, name, shape, dtype, fill_value, memory_kind=memory.DEVICE):
+        if self.mesh is None:
+            return memory.allocate(shape, dtype, fill_value, memory_kind, self.device)
+        spec = [None] * len(shape)
+        spec[_REQUEST_DIM[name]] = REQUEST_AXIS
+        placement = NamedSharding(self.mesh, P(*spec), memory_kind=memory_kind)
+        return memory.allocate(shape, dtype, fill_value, memory_kind, placement=placement)
 
 
 @jax.tree_util.register_dataclass
@@ -93,31 +140,33 @@ class HiSparseState:
         page_size: int = 64,
         fill_value: float = 0.0,
         device: jax.Device | None = None,
+        mesh: Mesh | None = None,
     ) -> "HiSparseState":
         """Allocates an empty state; every request slot starts free.
 
         num_host_pages defaults to host_to_device_ratio x the device pool (R x B tokens), as
         SGLang sizes its host pool. fill_value initialises rows nothing has written (tests pass
-        NaN so a stray read shows).
+        NaN so a stray read shows). With a mesh, request slots and host pool rows are split over
+        its "dp" axis (num_requests and num_host_pages must divide by its size).
         """
         B = config.device_buffer_size
         if num_host_pages is None:
             num_host_pages = math.ceil(config.host_to_device_ratio * num_requests * B / page_size)
         pages_per_request = math.ceil(max_context / page_size)
         L, R, W = num_layers, num_requests, layout.width
-        dev = memory.DEVICE
+        place = _Placer(device, mesh)
+        lru = place("lru_slots", (L, R, B), jnp.int32, 0)
+        lru = jax.jit(lambda x: x + jnp.arange(B, dtype=jnp.int32), out_shardings=lru.sharding, donate_argnums=0)(lru)
         return cls(
-            device_buffer=memory.allocate((L, R, B + 1, W), layout.dtype, fill_value, dev, device),
-            buffer_tokens=memory.allocate((L, R, B), jnp.int32, -1, dev, device),
-            lru_slots=jax.device_put(
-                jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32), (L, R, B)), memory.sharding(dev, device)
-            ),
-            host_pool=memory.allocate(
-                (L, num_host_pages * page_size, W), layout.dtype, fill_value, memory.PINNED_HOST, device
-            ),
-            host_page_table=memory.allocate((R, pages_per_request), jnp.int32, -1, dev, device),
-            seq_lens=memory.allocate((R,), jnp.int32, 0, dev, device),
-            swap_in_scratch=memory.allocate((R, max_context), jnp.int32, SCRATCH_EMPTY, dev, device),
+            device_buffer=place("device_buffer", (L, R, B + 1, W), layout.dtype, fill_value),
+            buffer_tokens=place("buffer_tokens", (L, R, B), jnp.int32, -1),
+            lru_slots=lru,
+            # With a mesh, each data-parallel group owns the contiguous pool block of its shard
+            # and its page table holds page numbers local to that block.
+            host_pool=place("host_pool", (L, num_host_pages * page_size, W), layout.dtype, fill_value, memory.PINNED_HOST),
+            host_page_table=place("host_page_table", (R, pages_per_request), jnp.int32, -1),
+            seq_lens=place("seq_lens", (R,), jnp.int32, 0),
+            swap_in_scratch=place("swap_in_scratch", (R, max_context), jnp.int32, SCRATCH_EMPTY),
             page_size=page_size,
         )
 
@@ -155,30 +204,23 @@ class FullKVState:
         layout: KVRowLayout,
         fill_value: float = 0.0,
         device: jax.Device | None = None,
+        mesh: Mesh | None = None,
     ) -> "FullKVState":
-        dev = memory.DEVICE
+        place = _Placer(device, mesh)
         return cls(
-            kv=memory.allocate(
-                (num_layers, num_requests, max_context, layout.width), layout.dtype, fill_value, dev, device
-            ),
-            seq_lens=memory.allocate((num_requests,), jnp.int32, 0, dev, device),
+            kv=place("kv", (num_layers, num_requests, max_context, layout.width), layout.dtype, fill_value),
+            seq_lens=place("seq_lens", (num_requests,), jnp.int32, 0),
         )
 
 
 def state_shardings(state):
-    """Output shardings for a jit that returns `state`: the host pool stays in pinned_host.
+    """Output shardings for a jit that returns `state`: each array stays where it is.
 
     XLA refuses a kernel's in-place write to pinned_host memory unless the jit's output is
-    declared pinned_host too (GPU_FACTS), so every jit returning a HiSparseState passes this.
+    declared pinned_host too (GPU_FACTS), so every jit returning a state passes these; they
+    also keep a mesh-split state split the same way.
     """
-    device = next(iter(state.seq_lens.devices()))
-
-    def one(path, leaf):
-        name = jax.tree_util.keystr(path)
-        kind = memory.PINNED_HOST if "host_pool" in name else memory.DEVICE
-        return memory.sharding(kind, device)
-
-    return jax.tree_util.tree_map_with_path(one, state)
+    return jax.tree.map(lambda leaf: leaf.sharding, state)
 
 
 def jit_donating_state(fn, state, *, extra_outputs: int = 0, **jit_kwargs):

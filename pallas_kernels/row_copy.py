@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from hisparse_jax import memory
 from pallas_kernels import common
 
 DEFAULT_ROWS_PER_PROGRAM = 16
@@ -29,7 +28,7 @@ DEFAULT_ROWS_PER_PROGRAM = 16
 
 def _stage_on_device(x: jax.Array) -> jax.Array:
     """Reference-only: a device copy of a host array (XLA cannot gather from pinned host on GPU)."""
-    return jax.device_put(x, memory.sharding(memory.DEVICE))
+    return jax.device_put(x, jax.memory.Space.Device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,7 +118,7 @@ def write_rows_to_host_reference(pool, layer, rows, host_slots):
     # pool: row[L, S, W]; rows: row[N, W]; host_slots: i32[N] (-1 = skip)
     target = jnp.where(host_slots >= 0, host_slots, pool.shape[1])
     updated = _stage_on_device(pool).at[layer, target].set(rows.astype(pool.dtype), mode="drop")
-    return jax.device_put(updated, memory.sharding(memory.PINNED_HOST))
+    return jax.device_put(updated, jax.memory.Space.Host)
 
 
 def _write_rows_to_host_kernel(
