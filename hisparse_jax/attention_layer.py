@@ -39,6 +39,19 @@ class LayerStepInfo(NamedTuple):
     plan: SwapInPlan | None  # the swap-in plan, for shared-index layers to replay (record_plan)
 
 
+def _copy_misses(state: HiSparseState, layer, plan: SwapInPlan, implementation) -> jax.Array:
+    """The device buffer with the plan's missed rows copied in from the host pool."""
+    return copy_host_rows_to_buffer(
+        state.host_pool,
+        state.device_buffer,
+        layer,
+        plan.miss_host_slots,
+        plan.miss_device_slots,
+        plan.num_misses,
+        implementation=implementation,
+    )
+
+
 def lengths_from_positions(positions: jax.Array) -> jax.Array:
     """i32[R] tokens stored once this step's row is written; 0 for an inactive slot (-1)."""
     return jnp.where(positions >= 0, positions + 1, 0)
@@ -100,15 +113,7 @@ def attention_layer(
         page_size=state.page_size,
         implementation=implementation,
     )
-    device_buffer = copy_host_rows_to_buffer(
-        state.host_pool,
-        state.device_buffer,
-        layer,
-        plan.miss_host_slots,
-        plan.miss_device_slots,
-        plan.num_misses,
-        implementation=implementation,
-    )
+    device_buffer = _copy_misses(state, layer, plan, implementation)
     state = state.replace(
         device_buffer=device_buffer, buffer_tokens=buffer_tokens, lru_slots=lru_slots, swap_in_scratch=scratch
     )
@@ -143,15 +148,7 @@ def shared_attention_layer(
         # Without offload the slots are the positions themselves; the anchor's dense path keeps them.
         return _dense_attention_layer(state, layer, query, new_row, positions, plan.slots, latent_dim, sm_scale, implementation, True)
     state = _write_newest(state, layer, new_row, positions)
-    device_buffer = copy_host_rows_to_buffer(
-        state.host_pool,
-        state.device_buffer,
-        layer,
-        plan.miss_host_slots,
-        plan.miss_device_slots,
-        plan.num_misses,
-        implementation=implementation,
-    )
+    device_buffer = _copy_misses(state, layer, plan, implementation)
     state = _backup_newest(state.replace(device_buffer=device_buffer), layer, new_row, positions, implementation)
     out = sparse_mla_attention(
         query, state.device_buffer, layer, plan.slots, latent_dim=latent_dim, sm_scale=sm_scale, implementation=implementation
