@@ -1,48 +1,94 @@
-"""Greedy decoding of a Hugging Face DSA checkpoint (DeepSeek-V3.2, GLM-5.x), HiSparse on or off.
+"""Serve a random workload with HiSparse (and the full-KV baseline), or decode a checkpoint.
 
-    python run_decode.py --checkpoint=DIR --prompts=prompts.npz --max_new_tokens=32 \
-        --output=out.npz --dtype=bfloat16 --enable_hisparse \
-        --hisparse_config='{"top_k": 2048, "device_buffer_size": 4096}'
+    python run_decode.py                    # tiny random-weight model, HiSparse vs baseline, CPU ok
+    python run_decode.py --max_concurrency=1,4,8 --device_buffer_sweep=16,32,64 --output_dir=outputs
+    python run_decode.py --synthetic_topk_overlap=0.9        # SYNTHETIC selection, labelled as such
+    python run_decode.py --checkpoint=DIR --prompts=prompts.npz --output=out.npz --max_new_tokens=32
 
-prompts.npz holds `input_ids` int32 [B, T]; out.npz gets `tokens` int32 [B, N] and `logits`
-float32 [B, N, vocab] (the logits each token was chosen from). Intentionally thin: flags, logs,
-one library call (models.decoding.decode_checkpoint).
+Flags follow SGLang (server: --enable-hisparse, --hisparse-config, --context-length,
+--max-running-requests, --dtype; bench_serving: --num-prompts, --random-input-len,
+--random-output-len, --random-range-ratio, --max-concurrency, --seed) with underscores.
+Serving writes results.json and PNG plots to --output_dir and prints a summary; checkpoint
+decoding (--prompts/--output) writes `tokens` int32 [B, N] and `logits` float32 [B, N, vocab].
+Bad flags end with one line on stderr and exit status 2. Intentionally thin: flags -> library.
 """
 
 import logging
+import sys
 
 import jax
-import jax.numpy as jnp
 from absl import app, flags
 
-from hisparse_jax.config import HiSparseConfig
-from models.decoding import decode_checkpoint
+from hisparse_jax.errors import UsageError
+from hisparse_jax.serving import ServingArgs, format_report, parse_int_list, run_checkpoint_decode, run_serving
 
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint directory (config.json + *.safetensors).")
-_PROMPTS = flags.DEFINE_string("prompts", None, ".npz with input_ids int32 [B, T].")
-_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 16, "Tokens to generate per prompt.")
-_OUTPUT = flags.DEFINE_string("output", None, ".npz to write tokens and logits to.")
-_DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Param and KV dtype.")
-_ENABLE_HISPARSE = flags.DEFINE_bool("enable_hisparse", False, "Offload the KV cache to pinned host memory.")
-_HISPARSE_CONFIG = flags.DEFINE_string("hisparse_config", "", "HiSparse settings as JSON, as SGLang's --hisparse-config.")
-
-flags.mark_flags_as_required(["checkpoint", "prompts", "output"])
+_MODEL = flags.DEFINE_string("model", "tiny", "Built-in model config (random weights): tiny, tiny_glm, deepseek_v32, glm_5_1, glm_5_2.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint directory (config.json + *.safetensors), instead of --model.")
+_PROMPTS = flags.DEFINE_string("prompts", None, "Checkpoint decoding: .npz with input_ids int32 [B, T].")
+_OUTPUT = flags.DEFINE_string("output", None, "Checkpoint decoding: .npz to write tokens and logits to.")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 16, "Checkpoint decoding: tokens to generate per prompt.")
+_ENABLE_HISPARSE = flags.DEFINE_bool("enable_hisparse", True, "KV in pinned host memory, a hot buffer per request on the device (--noenable_hisparse: baseline only).")
+_HISPARSE_CONFIG = flags.DEFINE_string(
+    "hisparse_config", '{"host_to_device_ratio": 8}',
+    "HiSparse settings as JSON, as SGLang's --hisparse-config; top_k defaults to the model's index_topk,"
+    " device_buffer_size to 2 x top_k. Default: the seeds' colocated host_to_device_ratio 8.",
+)  # fmt: skip
+_CONTEXT_LENGTH = flags.DEFINE_integer("context_length", None, "Most tokens (prompt + output) per request; default: the workload's longest.")
+_MAX_RUNNING_REQUESTS = flags.DEFINE_integer("max_running_requests", 8, "Request slots: the static decode batch.")
+_KV_BUDGET_GB = flags.DEFINE_float(
+    "kv_budget_gb", None,
+    "Device memory for KV (rows + indexer keys), the same for HiSparse and the baseline. Default: what"
+    " --max_running_requests HiSparse requests of --context_length need.",
+)  # fmt: skip
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Param and KV dtype: bfloat16 or float32.")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 16, "Requests in the random workload.")
+_RANDOM_INPUT_LEN = flags.DEFINE_integer("random_input_len", 224, "Longest prompt.")
+_RANDOM_OUTPUT_LEN = flags.DEFINE_integer("random_output_len", 32, "Longest output.")
+_RANDOM_RANGE_RATIO = flags.DEFINE_float("random_range_ratio", 0.5, "Lengths are uniform in [ratio x len, len].")
+_MAX_CONCURRENCY = flags.DEFINE_string("max_concurrency", "1,4,8", "Requests in flight at most; a comma list sweeps it.")
+_SEED = flags.DEFINE_integer("seed", 0, "Workload, random weights and synthetic selection seed.")
+_COMPARE_BASELINE = flags.DEFINE_bool("compare_baseline", True, "Also run the full-KV baseline on the same workload and budget.")
+_DEVICE_BUFFER_SWEEP = flags.DEFINE_string("device_buffer_sweep", "16,32,64", "HiSparse device_buffer_size values to sweep at the highest concurrency ('' : none).")
+_SYNTHETIC_TOPK_OVERLAP = flags.DEFINE_float(
+    "synthetic_topk_overlap", None,
+    "SYNTHETIC decode selection: consecutive top-k sets share this fraction (miss-rate study; outputs labelled synthetic).",
+)  # fmt: skip
+_EOS_TOKEN_ID = flags.DEFINE_integer("eos_token_id", None, "Stop a request at this token (default: run to its output length).")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per host page.")
+_OUTPUT_DIR = flags.DEFINE_string("output_dir", "outputs", "Where results.json and the plots go.")
+_IMPLEMENTATION = flags.DEFINE_string("implementation", None, "Kernels: reference or pallas (default: pallas on GPU, reference elsewhere).")
+_PROGRESS = flags.DEFINE_bool("progress", True, "Progress bars on prefill and decode.")
 
 
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        sys.exit(f"error: unexpected arguments {argv[1:]}")
     logging.info("jax %s on %s", jax.__version__, jax.devices())
-    hisparse = HiSparseConfig.from_json(_HISPARSE_CONFIG.value) if _ENABLE_HISPARSE.value else None
-    logging.info("hisparse: %s", hisparse.to_json() if hisparse else "off")
-    decode_checkpoint(
-        _CHECKPOINT.value,
-        _PROMPTS.value,
-        _OUTPUT.value,
-        max_new_tokens=_MAX_NEW_TOKENS.value,
-        dtype=jnp.dtype(_DTYPE.value),
-        hisparse=hisparse,
-    )
-    logging.info("wrote %s", _OUTPUT.value)
+    try:
+        if _PROMPTS.value is not None or _OUTPUT.value is not None:
+            run_checkpoint_decode(
+                _CHECKPOINT.value, _PROMPTS.value, _OUTPUT.value, max_new_tokens=_MAX_NEW_TOKENS.value,
+                dtype=_DTYPE.value, enable_hisparse=_ENABLE_HISPARSE.value, hisparse_config=_HISPARSE_CONFIG.value,
+            )  # fmt: skip
+            print(f"wrote {_OUTPUT.value}")
+            return
+        args = ServingArgs(
+            model=_MODEL.value, checkpoint=_CHECKPOINT.value, enable_hisparse=_ENABLE_HISPARSE.value,
+            hisparse_config=_HISPARSE_CONFIG.value, context_length=_CONTEXT_LENGTH.value,
+            max_running_requests=_MAX_RUNNING_REQUESTS.value, kv_budget_gb=_KV_BUDGET_GB.value, dtype=_DTYPE.value,
+            num_prompts=_NUM_PROMPTS.value, random_input_len=_RANDOM_INPUT_LEN.value,
+            random_output_len=_RANDOM_OUTPUT_LEN.value, random_range_ratio=_RANDOM_RANGE_RATIO.value,
+            max_concurrency=parse_int_list("--max_concurrency", _MAX_CONCURRENCY.value), seed=_SEED.value,
+            compare_baseline=_COMPARE_BASELINE.value,
+            device_buffer_sweep=parse_int_list("--device_buffer_sweep", _DEVICE_BUFFER_SWEEP.value),
+            synthetic_topk_overlap=_SYNTHETIC_TOPK_OVERLAP.value, eos_token_id=_EOS_TOKEN_ID.value,
+            page_size=_PAGE_SIZE.value, output_dir=_OUTPUT_DIR.value, implementation=_IMPLEMENTATION.value,
+            progress=_PROGRESS.value,
+        )  # fmt: skip
+        print(format_report(run_serving(args)))
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

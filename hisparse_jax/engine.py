@@ -1,0 +1,261 @@
+"""The decode engine: continuous batching over a fixed set of request slots, HiSparse or baseline.
+
+    engine = Engine(ModelRunner(model), EngineConfig(max_running_requests=8, context_length=512,
+                                                    hisparse=HiSparseConfig(top_k=16)))
+    result = engine.run(requests, max_concurrency=4)   # result.tokens[id], result.summary
+
+Each loop iteration: the client side sends requests while fewer than `max_concurrency` are in
+flight (SGLang bench_serving's semaphore); the scheduler admits what the pools hold
+(scheduler.py); each admitted request is prefilled alone, its KV written direct-to-host
+(ModelRunner.prefill), its first token sampled; then ONE decode step runs every slot at once
+(static shapes: R slots, inactive ones at position -1), greedy tokens come back to the host,
+and requests that reached max_new_tokens or EOS retire, giving back slot, host pages and device
+bytes. The decode step is jitted once per engine: requests coming and going change only the
+values of `tokens` / `positions`, never a shape.
+
+The baseline is the same engine with `hisparse=None`: a FullKVState keeps every row on the
+device and admission counts full-context KV against the same budget. Both attend to the same
+rows with the same kernels, so they produce the same tokens.
+
+Two labelled SYNTHETIC options serve studies and benchmarks, never real-model figures:
+  synthetic_topk_overlap: decode top-k from hisparse_jax.synthetic_selection instead of the
+    indexers (miss rate vs buffer size for a selection as stable as a trained model's);
+  synthetic_context: random KV and indexer keys instead of a prefill (hisparse_jax.synthetic_fill),
+    to keep prefill out of decode timing; TTFT is then not reported.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.errors import UsageError
+from hisparse_jax.host_pages import HostPageAllocator
+from hisparse_jax.kv_cache_ops import end_request
+from hisparse_jax.requests import Request
+from hisparse_jax.scheduler import Admission, DeviceFootprint, Scheduler
+from hisparse_jax.state import state_shardings
+from hisparse_jax.synthetic_fill import SyntheticFill
+from hisparse_jax.synthetic_selection import SyntheticSelector
+from hisparse_jax.telemetry import RequestTrace, StepRecord, summarize
+from models.decoding import DecodeCache, ModelRunner, _padded_length
+
+
+def _positive_int(name, value, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise UsageError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_running_requests: int  # R: request slots, the static decode batch
+    context_length: int  # C: most tokens (prompt + new) one request may hold
+    hisparse: HiSparseConfig | None  # None: the full-KV baseline
+    kv_budget_bytes: int | None = None  # device memory for KV rows + indexer keys; None: slots only
+    page_size: int = 16  # tokens per host page
+    num_host_pages: int | None = None  # None: host_to_device_ratio x the device pool (R x B tokens)
+    synthetic_topk_overlap: float | None = None  # SYNTHETIC decode selection with this overlap
+    synthetic_context: bool = False  # SYNTHETIC contexts (random KV) instead of prefill
+    seed: int = 0  # synthetic selection / fill randomness
+
+    def __post_init__(self):
+        _positive_int("max_running_requests", self.max_running_requests)
+        _positive_int("context_length", self.context_length, 2)
+        _positive_int("page_size", self.page_size)
+        if self.kv_budget_bytes is not None:
+            _positive_int("kv_budget_bytes", self.kv_budget_bytes)
+        if self.num_host_pages is not None:
+            _positive_int("num_host_pages", self.num_host_pages)
+        if self.synthetic_topk_overlap is not None and not 0.0 <= self.synthetic_topk_overlap <= 1.0:
+            raise UsageError(f"synthetic_topk_overlap must be in [0, 1], got {self.synthetic_topk_overlap}")
+
+    @property
+    def mode(self) -> str:
+        return "baseline" if self.hisparse is None else "hisparse"
+
+    @property
+    def selection(self) -> str:
+        """How decode top-k sets are chosen: the label every output carries."""
+        if self.synthetic_topk_overlap is None:
+            return "model"
+        return f"synthetic(overlap={self.synthetic_topk_overlap:g})"
+
+
+@dataclasses.dataclass
+class RunResult:
+    tokens: dict[int, np.ndarray]  # request id -> i32[N] generated tokens
+    steps: list[StepRecord]
+    traces: list[RequestTrace]
+    summary: dict
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, config: EngineConfig):
+        self.runner, self.config = runner, config
+        model = runner.config
+        hisparse = config.hisparse
+        if hisparse is not None and hisparse.top_k != model.index_topk:
+            raise UsageError(f"hisparse_config top_k ({hisparse.top_k}) must equal the model's index_topk ({model.index_topk})")
+        R, C = config.max_running_requests, config.context_length
+        self.footprint = DeviceFootprint.of(model, runner.dtype, hisparse)
+        self.cache: DecodeCache = runner.create_cache(
+            num_requests=R, max_context=C, hisparse=hisparse, num_host_pages=config.num_host_pages, page_size=config.page_size
+        )
+        host_pages = None
+        if hisparse is not None:
+            host_pages = HostPageAllocator(self.cache.kv.num_host_pages, config.page_size)
+            self._pages_per_request = self.cache.kv.host_page_table.shape[1]
+        self.scheduler = Scheduler(
+            num_slots=R, context_length=C, footprint=self.footprint, kv_budget_bytes=config.kv_budget_bytes, host_pages=host_pages
+        )
+        self._end = jax.jit(end_request, donate_argnums=0, out_shardings=state_shardings(self.cache.kv))
+        self._argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        self._count = jax.jit(lambda t: (jnp.sum(t.num_hits), jnp.sum(t.num_misses)))
+        self.selector = None
+        if config.synthetic_topk_overlap is not None:
+            self.selector = SyntheticSelector(
+                num_index_layers=len(model.full_indexer_layers), num_requests=R, top_k=model.index_topk,
+                max_context=C, overlap=config.synthetic_topk_overlap, seed=config.seed,
+            )  # fmt: skip
+        self._fill = SyntheticFill(self.cache, implementation=runner.implementation) if config.synthetic_context else None
+        self._fill_key = jax.random.key(config.seed)
+
+    # ---- sizes ------------------------------------------------------------------------------------
+
+    def capacity(self, num_tokens: int) -> int:
+        """Requests of `num_tokens` tokens that can run at once: slots, host pool and budget."""
+        fits = self.config.max_running_requests
+        if self.config.kv_budget_bytes is not None:
+            fits = min(fits, self.footprint.capacity(self.config.kv_budget_bytes, num_tokens))
+        if self.scheduler.host_pages is not None:
+            pool = self.scheduler.host_pages
+            fits = min(fits, pool.num_pages // pool.pages_for(num_tokens))
+        return fits
+
+    # ---- one request --------------------------------------------------------------------------------
+
+    def _start(self, admission: Admission) -> int | None:
+        """Prefills (or synthetically fills) an admitted request -> its first token (None: synthetic)."""
+        request, slot = admission.request, admission.slot
+        pages = None
+        if admission.host_pages is not None:
+            pages = self.scheduler.host_pages.page_table_row(admission.host_pages, self._pages_per_request)
+        if self.selector is not None:
+            self.selector.reset(slot)
+        if self._fill is not None:
+            key = jax.random.fold_in(self._fill_key, request.id)
+            self.cache = self._fill(self.cache, slot, request.prompt_len, pages, key)
+            return None
+        self.cache, logits = self.runner.prefill(self.cache, slot, request.prompt, host_pages=pages)
+        return int(self._argmax(logits))
+
+    def _retire(self, slot: int) -> None:
+        self.cache = DecodeCache(self._end(self.cache.kv, jnp.int32(slot)), self.cache.index_keys)
+        self.scheduler.finish(slot)
+
+    # ---- the loop -----------------------------------------------------------------------------------
+
+    def run(self, requests: list[Request], *, max_concurrency: int | None = None, progress: bool = False, label: str = "") -> RunResult:
+        """Serves `requests` to completion; at most `max_concurrency` in flight (None: all)."""
+        requests = list(requests)
+        if not requests:
+            raise UsageError("no requests to run")
+        if len({r.id for r in requests}) != len(requests):
+            raise UsageError("request ids must be distinct")
+        if max_concurrency is not None:
+            _positive_int("max_concurrency", max_concurrency)
+        for request in requests:
+            self.scheduler.check(request)
+        if self.selector is not None:
+            self.selector.shared_entries = self.selector.compared_entries = 0
+        limit = max_concurrency or len(requests)
+        R = self.config.max_running_requests
+        tokens = np.zeros(R, np.int32)  # i32[R]: next input token per slot
+        positions = np.full(R, -1, np.int32)  # i32[R]: its position, -1 inactive
+        slot_ids = np.zeros(R, np.int32)  # i32[R]: id of the request in each slot (synthetic selection)
+        generated: dict[int, list[int]] = {}
+        traces: dict[int, RequestTrace] = {}
+        steps: list[StepRecord] = []
+        pending = collections.deque(requests)
+        in_flight = 0
+        prefill_bar = tqdm(total=len(requests), desc=f"{label} prefill".strip(), unit="req", disable=not progress, leave=False)
+        decode_bar = tqdm(total=sum(r.max_new_tokens for r in requests), desc=f"{label} decode".strip(), unit="tok",
+                          disable=not progress, leave=False)  # fmt: skip
+        start = time.perf_counter()
+
+        def emit(request: Request, slot: int, token: int, now: float) -> bool:
+            """Records one output token; True when the request is done (and retired)."""
+            nonlocal in_flight
+            generated[request.id].append(token)
+            traces[request.id].token_times_s.append(now)
+            decode_bar.update(1)
+            done = len(generated[request.id]) >= request.max_new_tokens or token == request.eos_token_id
+            if done:
+                self._retire(slot)
+                positions[slot] = -1
+                in_flight -= 1
+            return done
+
+        while pending or in_flight:
+            while pending and in_flight < limit:
+                request = pending.popleft()
+                self.scheduler.submit(request)
+                traces[request.id] = RequestTrace(request.id, request.prompt_len, time.perf_counter() - start)
+                generated[request.id] = []
+                in_flight += 1
+            for admission in self.scheduler.admit():
+                request, slot = admission.request, admission.slot
+                first = self._start(admission)
+                slot_ids[slot] = request.id
+                prefill_bar.update(1)
+                if first is None:  # synthetic context: no first token; the last prompt token stands in
+                    tokens[slot], positions[slot] = request.prompt[-1], request.prompt_len
+                elif not emit(request, slot, first, time.perf_counter() - start):
+                    tokens[slot], positions[slot] = first, request.prompt_len
+            active = np.flatnonzero(positions >= 0)
+            if active.size == 0:
+                if self.scheduler.waiting:  # check() makes every request fit an idle engine
+                    raise RuntimeError("admission stalled with nothing running")
+                continue
+            begin = time.perf_counter()
+            topk = None if self.selector is None else self.selector.select(positions, slot_ids)
+            self.cache, logits, telemetry = self.runner.decode_step(self.cache, tokens, positions, topk)
+            next_tokens = np.asarray(self._argmax(logits))  # i32[R]
+            hits, misses = (int(x) for x in self._count(telemetry))
+            end = time.perf_counter()
+            steps.append(StepRecord(end - start, end - begin, int(active.size), hits, misses, misses * self.footprint.row_bytes))
+            for slot in active:
+                token = int(next_tokens[slot])
+                if not emit(self.scheduler.running_request(slot), slot, token, end - start):
+                    tokens[slot], positions[slot] = token, positions[slot] + 1
+        duration = time.perf_counter() - start
+        prefill_bar.close()
+        decode_bar.close()
+
+        ordered = [traces[r.id] for r in requests]
+        summary = summarize(steps, ordered, duration, measure_ttft=not self.config.synthetic_context)
+        summary.update(mode=self.config.mode, selection=self.config.selection, max_concurrency=limit,
+                       synthetic_context=self.config.synthetic_context)  # fmt: skip
+        if self.selector is not None:
+            summary["measured_topk_overlap"] = self.selector.measured_overlap
+        outputs = {r.id: np.asarray(generated[r.id], np.int32) for r in requests}
+        return RunResult(outputs, steps, ordered, summary)
+
+    def warmup(self, requests: list[Request]) -> None:
+        """Compiles everything `requests` will run (one prefill per padded prompt length, the
+        decode step, retirement) on throwaway requests, so a timed run measures no compile."""
+        for request in requests:
+            self.scheduler.check(request)
+        chunk = self.runner.prefill_chunk
+        by_bucket = {}
+        for request in requests:
+            by_bucket.setdefault(_padded_length(request.prompt_len, chunk), request)
+        warm = [Request(-1 - i, r.prompt, 2) for i, r in enumerate(by_bucket.values())]
+        self.run(warm, max_concurrency=1)

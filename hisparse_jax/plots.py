@@ -1,0 +1,76 @@
+"""PNG figures of serving runs (matplotlib, Agg backend: no display needed).
+
+Each figure takes plain lists/dicts (what the results JSON holds) and a `label` that goes into
+its title: the selection ("model" or "synthetic(overlap=...)") and context kind, so a synthetic
+figure can never pass for a real-model one.
+"""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def rolling_mean(values, window: int) -> np.ndarray:
+    """Trailing mean over up to `window` values (shorter at the start)."""
+    values = np.asarray(values, np.float64)
+    if values.size == 0:
+        return values
+    sums = np.cumsum(np.concatenate([[0.0], values]))
+    ends = np.arange(1, values.size + 1)
+    starts = np.maximum(ends - window, 0)
+    return (sums[ends] - sums[starts]) / (ends - starts)
+
+
+def _save(fig, path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def throughput_vs_concurrency(points: list[dict], path, *, label: str, metric: str = "output_throughput") -> None:
+    """points: {"mode", "max_concurrency", metric} dicts; one line per mode."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in sorted({p["mode"] for p in points}):
+        mine = sorted((p for p in points if p["mode"] == mode), key=lambda p: p["max_concurrency"])
+        ax.plot([p["max_concurrency"] for p in mine], [p[metric] for p in mine], marker="o", label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("max concurrency (requests in flight)")
+    ax.set_ylabel(f"{metric.replace('_', ' ')} (tokens/s)")
+    ax.set_title(f"Throughput vs concurrency [{label}]", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    _save(fig, path)
+
+
+def misses_over_time(series: dict[str, list[int]], path, *, label: str, window: int = 8) -> None:
+    """series: name -> misses per decode step; plotted as a trailing mean over `window` steps."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, misses in series.items():
+        ax.plot(rolling_mean(misses, window), label=name)
+    ax.set_xlabel("decode step")
+    ax.set_ylabel(f"misses per step (rolling mean, {window} steps)")
+    ax.set_title(f"Host->device misses over time [{label}]", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def misses_vs_buffer_size(points: list[dict], path, *, label: str) -> None:
+    """points: {"device_buffer_size", "miss_rate", "misses_per_request_step"} dicts, one per size."""
+    points = sorted(points, key=lambda p: p["device_buffer_size"])
+    sizes = [p["device_buffer_size"] for p in points]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(sizes, [p["misses_per_request_step"] for p in points], marker="o", color="tab:red")
+    ax.set_xlabel("device_buffer_size (slots per request and layer)")
+    ax.set_ylabel("misses per request per step (all layers)", color="tab:red")
+    twin = ax.twinx()
+    twin.plot(sizes, [p["miss_rate"] for p in points], marker="s", color="tab:blue", label="miss rate")
+    twin.set_ylabel("miss rate (misses / selected rows)", color="tab:blue")
+    twin.set_ylim(0, 1)
+    ax.set_title(f"Misses vs device buffer size [{label}]", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    _save(fig, path)

@@ -1,0 +1,165 @@
+"""Admission: a FCFS waiting queue over three pools, request slots, host pages and device KV bytes.
+
+A request is admitted only when all three have room for its whole context (prompt +
+max_new_tokens); otherwise it waits, and so do the requests behind it (strict FCFS: a long
+request is never starved by short ones slipping past). Running out of any pool never raises;
+only a request that could not run even on an empty engine is rejected, at submit, with a
+UsageError. `finish` gives every pool back.
+
+Device bytes are counted per token, as a paged device pool would hold them (SGLang's token pool),
+so the baseline's admission is bounded by full-context KV and HiSparse's by its buffers; the
+engine's arrays themselves are static (see engine.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+from configs.model import DSAModelConfig
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.errors import UsageError
+from hisparse_jax.host_pages import HostPageAllocator
+from hisparse_jax.requests import Request
+from hisparse_jax.row_layout import KVRowLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceFootprint:
+    """Device bytes one request holds: its KV rows (a hot buffer with HiSparse, else every row)
+    plus its indexer keys, which stay on the device for the whole context (HISPARSE.md 2)."""
+
+    num_layers: int  # layers with a KV cache (all of them)
+    num_index_layers: int  # full-indexer layers, each caching one key per token
+    row_bytes: int  # one KV row of one layer
+    key_bytes: int  # one indexer key of one layer
+    buffer_size: int | None  # HiSparse's B; None: the baseline, every row on the device
+
+    def request_bytes(self, num_tokens: int) -> int:
+        keys = self.num_index_layers * num_tokens * self.key_bytes
+        if self.buffer_size is None:
+            return self.num_layers * num_tokens * self.row_bytes + keys
+        return self.num_layers * (self.buffer_size + 1) * self.row_bytes + keys  # + the newest-token slot
+
+    def capacity(self, budget_bytes: int, num_tokens: int) -> int:
+        """Requests of `num_tokens` tokens that fit in `budget_bytes`."""
+        return budget_bytes // self.request_bytes(num_tokens)
+
+    @classmethod
+    def of(cls, config: DSAModelConfig, dtype, hisparse: HiSparseConfig | None) -> "DeviceFootprint":
+        layout = KVRowLayout.for_dtype(config.kv_lora_rank, config.qk_rope_head_dim, dtype)
+        return cls(
+            num_layers=config.num_layers,
+            num_index_layers=len(config.full_indexer_layers),
+            row_bytes=layout.bytes_per_row,
+            key_bytes=config.index_head_dim * np.dtype(dtype).itemsize,  # keys are cached in the model dtype
+            buffer_size=None if hisparse is None else hisparse.device_buffer_size,
+        )
+
+
+class Admission(NamedTuple):
+    request: Request
+    slot: int  # request slot (row of the decode batch) it runs in
+    host_pages: list[int] | None  # host pages backing its positions in order (HiSparse only)
+
+
+class _Running(NamedTuple):
+    request: Request
+    host_pages: list[int] | None
+    device_bytes: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        num_slots: int,
+        context_length: int,
+        footprint: DeviceFootprint,
+        kv_budget_bytes: int | None = None,
+        host_pages: HostPageAllocator | None = None,
+    ):
+        """kv_budget_bytes None: no device limit beyond the slots. host_pages None: no host pool
+        (the baseline)."""
+        self.num_slots = num_slots
+        self.context_length = context_length
+        self.footprint = footprint
+        self.kv_budget_bytes = kv_budget_bytes
+        self.host_pages = host_pages
+        self.waiting: collections.deque[Request] = collections.deque()
+        self._free_slots = list(range(num_slots - 1, -1, -1))  # lowest slot handed out first
+        self._running: dict[int, _Running] = {}
+        self.device_bytes_in_use = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def running_request(self, slot: int) -> Request:
+        return self._running[slot].request
+
+    def check(self, request: Request) -> None:
+        """Raises UsageError when `request` could not run even with every pool free."""
+        tokens = request.max_tokens
+        if tokens > self.context_length:
+            raise UsageError(
+                f"request {request.id} needs {tokens} tokens ({request.prompt_len} prompt + {request.max_new_tokens}"
+                f" new) > context_length {self.context_length}"
+            )
+        if self.host_pages is not None and not self.host_pages.pages_for(tokens) <= self.host_pages.num_pages:
+            raise UsageError(
+                f"request {request.id} needs {self.host_pages.pages_for(tokens)} host pages; the host pool has"
+                f" {self.host_pages.num_pages}: raise host_to_device_ratio"
+            )
+        need = self.footprint.request_bytes(tokens)
+        if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
+            raise UsageError(
+                f"request {request.id} needs {need} B of device KV > kv budget {self.kv_budget_bytes} B"
+            )
+
+    def submit(self, request: Request) -> None:
+        self.check(request)
+        self.waiting.append(request)
+
+    def _fits(self, request: Request) -> bool:
+        if not self._free_slots:
+            return False
+        if self.host_pages is not None and not self.host_pages.can_allocate(request.max_tokens):
+            return False
+        need = self.footprint.request_bytes(request.max_tokens)
+        return self.kv_budget_bytes is None or self.device_bytes_in_use + need <= self.kv_budget_bytes
+
+    def admit(self) -> list[Admission]:
+        """Admits waiting requests in arrival order while all three pools have room."""
+        admitted = []
+        while self.waiting and self._fits(self.waiting[0]):
+            request = self.waiting.popleft()
+            pages = None if self.host_pages is None else self.host_pages.allocate(request.max_tokens)
+            slot = self._free_slots.pop()
+            need = self.footprint.request_bytes(request.max_tokens)
+            self.device_bytes_in_use += need
+            self._running[slot] = _Running(request, pages, need)
+            admitted.append(Admission(request, slot, pages))
+        return admitted
+
+    def finish(self, slot: int) -> Request:
+        """Frees the slot, host pages and device bytes of the request running in `slot`."""
+        running = self._running.pop(slot)
+        if running.host_pages is not None:
+            self.host_pages.free(running.host_pages)
+        self.device_bytes_in_use -= running.device_bytes
+        self._free_slots.append(slot)
+        self._free_slots.sort(reverse=True)
+        return running.request
+
+    def all_free(self) -> bool:
+        """True when nothing runs and every slot, host page and device byte is back."""
+        pages_free = self.host_pages is None or self.host_pages.num_free == self.host_pages.num_pages
+        return not self._running and len(self._free_slots) == self.num_slots and pages_free and self.device_bytes_in_use == 0

@@ -1,0 +1,328 @@
+"""A serving-style run, what `run_decode.py` does without --prompts: build a model, generate
+bench_serving's random workload, serve it with HiSparse and/or the full-KV baseline at each
+max concurrency under one device KV budget, optionally sweep device_buffer_size, then write the
+results JSON and the plots and return a printable report.
+
+    results = run_serving(ServingArgs(compare_baseline=True, max_concurrency=(1, 4, 8)))
+    print(format_report(results))
+
+Every input is validated here (UsageError names the flag); the script only maps flags to
+ServingArgs. A run with synthetic selection writes `synthetic_*` files with the label in every
+title, so its figures are never mixed with real-model ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from configs.model import DSAModelConfig, UnsupportedModelError
+from hisparse_jax import plots
+from hisparse_jax.config import HiSparseConfig, HiSparseConfigError
+from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.errors import UsageError
+from hisparse_jax.requests import random_requests
+from hisparse_jax.scheduler import DeviceFootprint
+from hisparse_jax.telemetry import format_summary, steps_to_json, write_json
+from models.decoder import DSAForCausalLM
+from models.decoding import ModelRunner
+from models.loading import CheckpointError, load_hf_checkpoint
+
+MODELS = {
+    "tiny": DSAModelConfig.tiny,
+    "tiny_glm": DSAModelConfig.tiny_glm,
+    "deepseek_v32": DSAModelConfig.deepseek_v32,
+    "glm_5_1": DSAModelConfig.glm_5_1,
+    "glm_5_2": DSAModelConfig.glm_5_2,
+}
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+IMPLEMENTATIONS = ("reference", "pallas")
+
+
+def parse_int_list(name: str, text: str) -> tuple[int, ...]:
+    """"1,4,16" -> (1, 4, 16); every entry a positive integer."""
+    try:
+        values = tuple(int(v) for v in str(text).split(",") if v.strip())
+    except ValueError:
+        raise UsageError(f"{name} must be a comma-separated list of integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise UsageError(f"{name} entries must be positive, got {text!r}")
+    return values
+
+
+def resolve_hisparse_config(text: str, model: DSAModelConfig) -> HiSparseConfig:
+    """`--hisparse_config` JSON with top_k defaulting to the model's index_topk (and
+    device_buffer_size to 2 x top_k, as SGLang)."""
+    try:
+        values = json.loads(text) if text and text.strip() else {}
+    except json.JSONDecodeError as error:
+        raise UsageError(f"hisparse_config is not valid JSON: {error}") from None
+    if isinstance(values, dict):
+        values.setdefault("top_k", model.index_topk)
+    try:
+        return HiSparseConfig.from_dict(values)
+    except HiSparseConfigError as error:
+        raise UsageError(f"hisparse_config: {error}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingArgs:
+    """run_decode.py's flags (SGLang's names where SGLang has one)."""
+
+    model: str = "tiny"  # a key of MODELS, random weights
+    checkpoint: str | None = None  # or a Hugging Face checkpoint directory
+    enable_hisparse: bool = True
+    hisparse_config: str = ""
+    context_length: int | None = None  # None: the workload's longest request
+    max_running_requests: int = 8
+    kv_budget_gb: float | None = None  # None: what max_running_requests HiSparse requests need
+    dtype: str = "bfloat16"
+    num_prompts: int = 16
+    random_input_len: int = 224
+    random_output_len: int = 32
+    random_range_ratio: float = 0.5
+    max_concurrency: tuple[int, ...] = ()  # () : max_running_requests
+    seed: int = 0
+    compare_baseline: bool = True
+    device_buffer_sweep: tuple[int, ...] = ()
+    synthetic_topk_overlap: float | None = None
+    eos_token_id: int | None = None
+    page_size: int = 16
+    output_dir: str = "outputs"
+    implementation: str | None = None
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.checkpoint is None and self.model not in MODELS:
+            raise UsageError(f"--model={self.model!r} is not a built-in config; use one of {sorted(MODELS)} or --checkpoint")
+        if self.dtype not in DTYPES:
+            raise UsageError(f"--dtype={self.dtype!r}: use one of {sorted(DTYPES)}")
+        if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
+            raise UsageError(f"--implementation={self.implementation!r}: use one of {IMPLEMENTATIONS}")
+        if self.kv_budget_gb is not None and not self.kv_budget_gb > 0:
+            raise UsageError(f"--kv_budget_gb must be positive, got {self.kv_budget_gb}")
+        if not self.enable_hisparse and self.device_buffer_sweep:
+            raise UsageError("--device_buffer_sweep needs --enable_hisparse")
+        for name in ("max_running_requests", "num_prompts", "random_input_len", "random_output_len", "page_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"--{name} must be a positive integer, got {value!r}")
+        if self.context_length is not None and self.context_length < 2:
+            raise UsageError(f"--context_length must be >= 2, got {self.context_length}")
+        if not 0.0 <= self.random_range_ratio <= 1.0:
+            raise UsageError(f"--random_range_ratio must be in [0, 1], got {self.random_range_ratio}")
+        if self.synthetic_topk_overlap is not None and not 0.0 <= self.synthetic_topk_overlap <= 1.0:
+            raise UsageError(f"--synthetic_topk_overlap must be in [0, 1], got {self.synthetic_topk_overlap}")
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        if not self.enable_hisparse:
+            return ("baseline",)
+        return ("hisparse", "baseline") if self.compare_baseline else ("hisparse",)
+
+    @property
+    def label(self) -> str:
+        """Selection label carried by every output."""
+        if self.synthetic_topk_overlap is None:
+            return "model selection"
+        return f"SYNTHETIC top-k, overlap {self.synthetic_topk_overlap:g}"
+
+
+def load_model(args: ServingArgs):
+    """(model, name): random weights of a built-in config, or a checkpoint's weights."""
+    dtype = DTYPES[args.dtype]
+    if args.checkpoint is not None:
+        try:
+            return load_hf_checkpoint(args.checkpoint, dtype=dtype), os.path.basename(os.path.normpath(args.checkpoint))
+        except (CheckpointError, UnsupportedModelError, FileNotFoundError) as error:
+            raise UsageError(f"--checkpoint: {error}") from None
+    return DSAForCausalLM(MODELS[args.model](), dtype=dtype, rngs=nnx.Rngs(args.seed)), f"{args.model} (random weights)"
+
+
+def _point(result, concurrency: int) -> dict:
+    summary = dict(result.summary)
+    summary.update(max_concurrency=concurrency, steps=steps_to_json(result.steps))
+    return summary
+
+
+def run_serving(args: ServingArgs) -> dict:
+    """Runs everything `args` asks for; writes results JSON + plots to args.output_dir."""
+    model, model_name = load_model(args)
+    config = model.config
+    hisparse = resolve_hisparse_config(args.hisparse_config, config)
+    if hisparse.top_k != config.index_topk:
+        raise UsageError(f"hisparse_config top_k ({hisparse.top_k}) must equal the model's index_topk ({config.index_topk})")
+    requests = random_requests(
+        num_prompts=args.num_prompts, input_len=args.random_input_len, output_len=args.random_output_len,
+        range_ratio=args.random_range_ratio, vocab_size=config.vocab_size, seed=args.seed, eos_token_id=args.eos_token_id,
+    )  # fmt: skip
+    context = args.context_length or max(r.max_tokens for r in requests)
+    dtype = DTYPES[args.dtype]
+    if args.kv_budget_gb is not None:
+        budget, budget_source = int(args.kv_budget_gb * 1e9), "--kv_budget_gb"
+    else:
+        # Auto: HiSparse's R slots at full context fit exactly; the baseline gets the same bytes.
+        budget = args.max_running_requests * DeviceFootprint.of(config, dtype, hisparse).request_bytes(context)
+        budget_source = "auto: max_running_requests HiSparse requests at context_length"
+    concurrencies = args.max_concurrency or (args.max_running_requests,)
+    runner = ModelRunner(model, implementation=args.implementation)
+    os.makedirs(args.output_dir, exist_ok=True)
+    prefix = "" if args.synthetic_topk_overlap is None else f"synthetic_overlap{args.synthetic_topk_overlap:g}_"
+    results = dict(
+        run=dict(
+            model=model_name, dtype=args.dtype, selection=args.label, devices=[str(d) for d in jax.devices()[:1]],
+            jax_version=jax.__version__, context_length=context, max_running_requests=args.max_running_requests,
+            kv_budget_bytes=budget, kv_budget_source=budget_source, hisparse_config=json.loads(hisparse.to_json()),
+            page_size=args.page_size,
+            workload=dict(dataset="random", num_prompts=args.num_prompts, random_input_len=args.random_input_len,
+                          random_output_len=args.random_output_len, random_range_ratio=args.random_range_ratio,
+                          seed=args.seed, output_tokens=sum(r.max_new_tokens for r in requests)),
+        ),  # fmt: skip
+        capacity={},
+        points=[],
+        buffer_sweep=[],
+    )
+    json_path = os.path.join(args.output_dir, f"{prefix}results.json")
+    tokens = {}
+    host_pages = None  # the sweep keeps HiSparse's host pool as sized for hisparse_config
+    for mode in args.modes:
+        engine = _engine(runner, args, hisparse if mode == "hisparse" else None, context, budget)
+        results["capacity"][mode] = engine.capacity(context)
+        if mode == "hisparse":
+            host_pages = engine.cache.kv.num_host_pages
+        engine.warmup(requests)
+        for concurrency in concurrencies:
+            run = engine.run(requests, max_concurrency=concurrency, progress=args.progress, label=f"{mode} c={concurrency}")
+            results["points"].append(_point(run, concurrency))
+            tokens[mode, concurrency] = run.tokens
+            write_json(json_path, results)  # partial results survive an interruption
+    results["tokens_identical"] = _all_identical(tokens, [r.id for r in requests])
+    for size in args.device_buffer_sweep:
+        try:
+            swept = dataclasses.replace(hisparse, device_buffer_size=size)
+        except HiSparseConfigError as error:
+            raise UsageError(f"--device_buffer_sweep: {error}") from None
+        engine = _engine(runner, args, swept, context, budget, host_pages or _host_pages(hisparse, args))
+        engine.warmup(requests)
+        run = engine.run(requests, max_concurrency=max(concurrencies), progress=args.progress, label=f"buffer {size}")
+        point = _point(run, max(concurrencies))
+        request_steps = max(1, sum(s.running for s in run.steps))
+        point.update(device_buffer_size=size, num_host_pages=engine.cache.kv.num_host_pages,
+                     misses_per_request_step=run.summary["misses"] / request_steps)  # fmt: skip
+        results["buffer_sweep"].append(point)
+        write_json(json_path, results)
+    results["files"] = _plot(results, args.output_dir, prefix, args.label)
+    write_json(json_path, results)
+    results["files"]["results"] = json_path
+    return results
+
+
+def _host_pages(hisparse: HiSparseConfig, args: ServingArgs) -> int:
+    """SGLang's host pool: host_to_device_ratio x the device pool (R buffers of B tokens)."""
+    return math.ceil(hisparse.host_to_device_ratio * args.max_running_requests * hisparse.device_buffer_size / args.page_size)
+
+
+def _engine(runner, args: ServingArgs, hisparse, context: int, budget: int, num_host_pages: int | None = None) -> Engine:
+    return Engine(
+        runner,
+        EngineConfig(
+            max_running_requests=args.max_running_requests, context_length=context, hisparse=hisparse,
+            kv_budget_bytes=budget, page_size=args.page_size, synthetic_topk_overlap=args.synthetic_topk_overlap,
+            seed=args.seed, num_host_pages=num_host_pages,
+        ),
+    )  # fmt: skip
+
+
+def _all_identical(tokens: dict, ids: list[int]) -> bool:
+    """Every run produced the same tokens for every request (modes and concurrencies alike)."""
+    runs = list(tokens.values())
+    return all(np.array_equal(run[i], runs[0][i]) for run in runs[1:] for i in ids)
+
+
+def _plot(results: dict, output_dir: str, prefix: str, label: str) -> dict:
+    files = {}
+    path = lambda name: os.path.join(output_dir, f"{prefix}{name}.png")  # noqa: E731
+    if results["points"]:
+        files["throughput_vs_concurrency"] = path("throughput_vs_concurrency")
+        plots.throughput_vs_concurrency(results["points"], files["throughput_vs_concurrency"], label=label)
+        series = {f"{p['mode']} c={p['max_concurrency']}": p["steps"]["misses"] for p in results["points"] if p["mode"] == "hisparse"}
+        if series:
+            files["misses_over_time"] = path("misses_over_time")
+            plots.misses_over_time(series, files["misses_over_time"], label=label)
+    if results["buffer_sweep"]:
+        sweep = results["buffer_sweep"]
+        files["misses_vs_buffer_size"] = path("misses_vs_buffer_size")
+        plots.misses_vs_buffer_size(sweep, files["misses_vs_buffer_size"], label=label)
+        files["misses_over_time_by_buffer"] = path("misses_over_time_by_buffer")
+        plots.misses_over_time(
+            {f"B={p['device_buffer_size']}": p["steps"]["misses"] for p in sweep}, files["misses_over_time_by_buffer"], label=label
+        )
+    return files
+
+
+def format_report(results: dict) -> str:
+    run = results["run"]
+    lines = [
+        f"model {run['model']}, {run['dtype']}, selection: {run['selection']}",
+        f"workload: {run['workload']['num_prompts']} prompts, random_input_len {run['workload']['random_input_len']},"
+        f" random_output_len {run['workload']['random_output_len']}, range ratio {run['workload']['random_range_ratio']}",
+        f"device KV budget {run['kv_budget_bytes'] / 1e6:.3f} MB ({run['kv_budget_source']}); context_length"
+        f" {run['context_length']}; max_running_requests {run['max_running_requests']}; hisparse_config {run['hisparse_config']}",
+        "requests of context_length that fit at once: " + ", ".join(f"{m} {n}" for m, n in results["capacity"].items()),
+    ]
+    for p in results["points"]:
+        lines.append(format_summary(f"{p['mode']} c={p['max_concurrency']}", p))
+    for p in results["buffer_sweep"]:
+        lines.append(format_summary(f"hisparse B={p['device_buffer_size']} c={p['max_concurrency']}", p))
+    if len({p["mode"] for p in results["points"]}) > 1:
+        by = {(p["mode"], p["max_concurrency"]): p["output_throughput"] for p in results["points"]}
+        ratios = [f"c={c}: {by['hisparse', c] / by['baseline', c]:.2f}x" for (m, c) in by if m == "hisparse" and ("baseline", c) in by]
+        lines.append("hisparse / baseline output throughput: " + ", ".join(ratios))
+    lines.append(f"same tokens for every request in every run: {results['tokens_identical']}")
+    lines.append("wrote " + ", ".join(results["files"].values()))
+    return "\n".join(lines)
+
+
+def run_checkpoint_decode(
+    checkpoint: str,
+    prompts: str | None,
+    output: str | None,
+    *,
+    max_new_tokens: int,
+    dtype: str,
+    enable_hisparse: bool,
+    hisparse_config: str,
+):
+    """Greedy decoding of a checkpoint over prompts.npz -> output.npz (models.decoding.decode_checkpoint),
+    with every input checked first."""
+    if checkpoint is None:
+        raise UsageError("checkpoint decoding (--prompts/--output) needs --checkpoint=DIR")
+    if prompts is None or output is None:
+        raise UsageError("checkpoint decoding needs --prompts=FILE.npz and --output=FILE.npz (or drop them to serve a random workload)")
+    if not os.path.isfile(prompts):
+        raise UsageError(f"--prompts: no file {prompts}")
+    out_dir = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(out_dir):
+        raise UsageError(f"--output: directory {out_dir} does not exist")
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype={dtype!r}: use one of {sorted(DTYPES)}")
+    if max_new_tokens < 1:
+        raise UsageError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
+    with np.load(prompts) as data:
+        if "input_ids" not in data or data["input_ids"].ndim != 2:
+            raise UsageError(f"--prompts: {prompts} needs an int array input_ids [B, T] (found {sorted(data.files)})")
+    from models.decoding import decode_checkpoint
+
+    try:
+        config = DSAModelConfig.from_hf_config(checkpoint)
+        hisparse = resolve_hisparse_config(hisparse_config, config) if enable_hisparse else None
+        return decode_checkpoint(checkpoint, prompts, output, max_new_tokens=max_new_tokens, dtype=DTYPES[dtype], hisparse=hisparse)
+    except (CheckpointError, UnsupportedModelError, FileNotFoundError) as error:
+        raise UsageError(f"--checkpoint: {error}") from None

@@ -1,0 +1,102 @@
+"""What a serving run measured: one record per decode step and per request, and their summary.
+
+Per decode step: running requests, hits, misses (summed over layers and requests; a shared-index
+layer's replayed copies count, they move bytes too), host -> device bytes (misses x row bytes),
+wall time of the step (dispatch to sampled tokens on the host). Per request: submit time and
+the time of every token. The summary follows SGLang's bench_serving: output tokens/s over the
+run's wall time, TTFT and ITL (mean / p50 / p99, ms), plus the miss rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    time_s: float  # when the step finished, from the start of the run
+    step_s: float  # wall time of the step
+    running: int  # requests decoded in this step
+    hits: int  # selected rows found on the device, all layers and requests
+    misses: int  # rows copied host -> device, all layers and requests
+    h2d_bytes: int  # misses x row bytes
+
+
+@dataclasses.dataclass
+class RequestTrace:
+    id: int
+    prompt_len: int
+    submitted_s: float  # when the client sent it, from the start of the run
+    token_times_s: list[float] = dataclasses.field(default_factory=list)  # each output token's time
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times_s[0] - self.submitted_s
+
+    @property
+    def itls_s(self) -> np.ndarray:
+        return np.diff(np.asarray(self.token_times_s))
+
+
+def _stats_ms(values_s) -> dict:
+    values = np.asarray(values_s, np.float64) * 1e3
+    if values.size == 0:
+        return dict(mean=None, p50=None, p99=None)
+    return dict(mean=float(values.mean()), p50=float(np.percentile(values, 50)), p99=float(np.percentile(values, 99)))
+
+
+def summarize(steps: list[StepRecord], traces: list[RequestTrace], duration_s: float, *, measure_ttft: bool = True) -> dict:
+    """The run's summary as a JSON-ready dict. measure_ttft False: contexts were not prefilled
+    by the model (synthetic fill), so TTFT is not reported."""
+    output_tokens = sum(len(t.token_times_s) for t in traces)
+    decode_tokens = sum(s.running for s in steps)
+    decode_s = sum(s.step_s for s in steps)
+    hits = sum(s.hits for s in steps)
+    misses = sum(s.misses for s in steps)
+    return dict(
+        num_requests=len(traces),
+        duration_s=duration_s,
+        output_tokens=output_tokens,
+        output_throughput=output_tokens / duration_s if duration_s > 0 else None,  # tokens/s, as bench_serving
+        decode_steps=len(steps),
+        decode_throughput=decode_tokens / decode_s if decode_s > 0 else None,  # decode-step tokens/s
+        mean_running=decode_tokens / len(steps) if steps else 0.0,
+        max_running=max((s.running for s in steps), default=0),
+        ttft_ms=_stats_ms([t.ttft_s for t in traces if t.token_times_s]) if measure_ttft else None,
+        itl_ms=_stats_ms(np.concatenate([t.itls_s for t in traces] or [np.zeros(0)])),
+        step_ms=_stats_ms([s.step_s for s in steps]),
+        hits=hits,
+        misses=misses,
+        miss_rate=misses / (hits + misses) if hits + misses else 0.0,
+        h2d_bytes=sum(s.h2d_bytes for s in steps),
+    )
+
+
+def steps_to_json(steps: list[StepRecord]) -> dict:
+    """Per-step columns (compact in JSON)."""
+    return {f.name: [getattr(s, f.name) for s in steps] for f in dataclasses.fields(StepRecord)}
+
+
+def format_summary(label: str, summary: dict) -> str:
+    """One line: mode, throughput, latency and misses."""
+    ttft = summary["ttft_ms"]
+    itl = summary["itl_ms"]
+    fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    return (
+        f"{label:<28} out {fmt(summary['output_throughput']):>9} tok/s  decode {fmt(summary['decode_throughput']):>9} tok/s"
+        f"  running {summary['mean_running']:5.1f} (max {summary['max_running']:3d})"
+        f"  TTFT mean {fmt(ttft and ttft['mean']):>8} ms  ITL mean/p50/p99 {fmt(itl['mean'])}/{fmt(itl['p50'])}/{fmt(itl['p99'])} ms"
+        f"  miss rate {summary['miss_rate']:.3f}  H2D {summary['h2d_bytes'] / 1e6:.2f} MB"
+    )
+
+
+def write_json(path: str | os.PathLike, data) -> None:
+    """Writes atomically (a partial file never replaces a good one)."""
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
