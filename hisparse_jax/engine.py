@@ -64,6 +64,7 @@ class EngineConfig:
     synthetic_topk_overlap: float | None = None  # SYNTHETIC decode selection with this overlap
     synthetic_context: bool = False  # SYNTHETIC contexts (random KV) instead of prefill
     seed: int = 0  # synthetic selection / fill randomness
+    fill_value: float = 0.0  # of KV rows nothing wrote (tests pass NaN so a stray read shows)
 
     def __post_init__(self):
         _positive_int("max_running_requests", self.max_running_requests)
@@ -106,8 +107,9 @@ class Engine:
         R, C = config.max_running_requests, config.context_length
         self.footprint = DeviceFootprint.of(model, runner.dtype, hisparse)
         self.cache: DecodeCache = runner.create_cache(
-            num_requests=R, max_context=C, hisparse=hisparse, num_host_pages=config.num_host_pages, page_size=config.page_size
-        )
+            num_requests=R, max_context=C, hisparse=hisparse, num_host_pages=config.num_host_pages,
+            page_size=config.page_size, fill_value=config.fill_value,
+        )  # fmt: skip
         host_pages = None
         if hisparse is not None:
             host_pages = HostPageAllocator(self.cache.kv.num_host_pages, config.page_size)
@@ -210,7 +212,8 @@ class Engine:
                 traces[request.id] = RequestTrace(request.id, request.prompt_len, time.perf_counter() - start)
                 generated[request.id] = []
                 in_flight += 1
-            for admission in self.scheduler.admit():
+            admitted = self.scheduler.admit()
+            for admission in admitted:
                 request, slot = admission.request, admission.slot
                 first = self._start(admission)
                 slot_ids[slot] = request.id
@@ -221,9 +224,9 @@ class Engine:
                     tokens[slot], positions[slot] = first, request.prompt_len
             active = np.flatnonzero(positions >= 0)
             if active.size == 0:
-                if self.scheduler.waiting:  # check() makes every request fit an idle engine
+                if self.scheduler.waiting and not admitted:  # check() makes every request fit an idle engine
                     raise RuntimeError("admission stalled with nothing running")
-                continue
+                continue  # what was admitted finished at prefill (max_new_tokens 1 or EOS): admit again
             begin = time.perf_counter()
             topk = None if self.selector is None else self.selector.select(positions, slot_ids)
             self.cache, logits, telemetry = self.runner.decode_step(self.cache, tokens, positions, topk)

@@ -1,0 +1,238 @@
+"""The serving engine: continuous batching equals decoding each request alone, pools run dry
+without a crash and come back whole, one decode compile per engine, EOS, the synthetic
+selection's overlap, telemetry arithmetic.
+
+Float32 tiny model with random weights; HiSparse buffers barely above top_k so decoding misses
+and evicts; unwritten KV rows are NaN so any stray read would poison the tokens.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs.model import DSAModelConfig
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.engine import Engine, EngineConfig
+from hisparse_jax.errors import UsageError
+from hisparse_jax.host_pages import HostPageAllocator
+from hisparse_jax.requests import Request, random_requests
+from hisparse_jax.scheduler import DeviceFootprint, Scheduler
+from hisparse_jax.synthetic_selection import SyntheticSelector
+from hisparse_jax.telemetry import RequestTrace, StepRecord, summarize
+from models.decoder import DSAForCausalLM
+from models.decoding import ModelRunner, generate
+
+TINY = DSAModelConfig.tiny()  # top_k 16, 3 layers
+HISPARSE = HiSparseConfig(top_k=16, device_buffer_size=20, host_to_device_ratio=8)
+CONTEXT = 128
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return ModelRunner(DSAForCausalLM(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0)), prefill_chunk=32)
+
+
+@pytest.fixture(scope="module")
+def workload():
+    """Prompts of 7..111 tokens, 1..16 new tokens: contexts past B = 20 from the start, or
+    crossing it mid-decode. Two total lengths only, so `alone` compiles two decode steps."""
+    rng = np.random.default_rng(0)
+    lengths = [(100, 12), (7, 16), (111, 1), (103, 9), (9, 14), (107, 5), (12, 11), (96, 16)]
+    return [Request(i, rng.integers(0, TINY.vocab_size, t).astype(np.int32), n) for i, (t, n) in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module")
+def alone(runner, workload):
+    """Each request decoded by itself, one slot, full KV on the device."""
+    return {r.id: generate(runner, r.prompt[None], r.max_new_tokens, fill_value=np.nan).tokens[0] for r in workload}
+
+
+def engine_config(hisparse, **overrides):
+    values = dict(max_running_requests=3, context_length=CONTEXT, hisparse=hisparse, page_size=8, fill_value=np.nan)
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def assert_everything_free(engine):
+    assert engine.scheduler.all_free()
+    kv = engine.cache.kv
+    np.testing.assert_array_equal(np.asarray(kv.seq_lens), 0)
+    if engine.config.hisparse is not None:
+        np.testing.assert_array_equal(np.asarray(kv.host_page_table), -1)
+        np.testing.assert_array_equal(np.asarray(kv.buffer_tokens), -1)
+        assert engine.scheduler.host_pages.num_free == engine.scheduler.host_pages.num_pages
+
+
+@pytest.mark.parametrize("hisparse", [HISPARSE, None], ids=["hisparse", "baseline"])
+def test_requests_joining_and_leaving_decode_as_if_alone(runner, workload, alone, hisparse):
+    engine = Engine(runner, engine_config(hisparse))
+    result = engine.run(workload)  # 8 requests through 3 slots: they join and leave over the run
+    for request in workload:
+        np.testing.assert_array_equal(result.tokens[request.id], alone[request.id], err_msg=f"request {request.id}")
+    running = [s.running for s in result.steps]
+    assert max(running) == 3 and min(running) < 3 and len(result.steps) >= 20
+    if hisparse is not None:
+        # Every (layer, request) past the buffer had to evict: misses exceed what B slots hold.
+        assert result.summary["misses"] > 3 * HISPARSE.device_buffer_size
+        assert result.summary["h2d_bytes"] == result.summary["misses"] * engine.footprint.row_bytes
+    else:
+        assert result.summary["misses"] == 0
+    assert result.summary["output_tokens"] == sum(r.max_new_tokens for r in workload)
+    assert_everything_free(engine)
+
+
+def test_pools_running_out_make_requests_wait_then_complete(runner):
+    prompts = np.random.default_rng(5).integers(0, TINY.vocab_size, (6, 60)).astype(np.int32)
+    requests = [Request(i, p, 8) for i, p in enumerate(prompts)]  # 68 tokens: 9 host pages each
+    expected = generate(runner, prompts, 8).tokens
+    # 4 slots, but the host pool (20 pages) holds two requests, and so does the device budget.
+    tight_host = Engine(runner, engine_config(HISPARSE, max_running_requests=4, num_host_pages=20))
+    budget = 2 * DeviceFootprint.of(TINY, jnp.float32, None).request_bytes(68)
+    tight_device = Engine(runner, engine_config(None, max_running_requests=4, kv_budget_bytes=budget))
+    for engine in (tight_host, tight_device):
+        result = engine.run(requests)
+        for request in requests:
+            np.testing.assert_array_equal(result.tokens[request.id], expected[request.id])
+        assert max(s.running for s in result.steps) == 2  # slots were free, yet requests waited
+        assert_everything_free(engine)
+
+
+def test_scheduler_is_fcfs_and_returns_every_pool():
+    footprint = DeviceFootprint.of(TINY, jnp.float32, HISPARSE)
+    pages = HostPageAllocator(num_pages=10, page_size=8)
+    scheduler = Scheduler(num_slots=4, context_length=80, footprint=footprint, host_pages=pages)
+    long, short = Request(0, np.zeros(70, np.int32), 10), Request(1, np.zeros(4, np.int32), 4)
+    scheduler.submit(short)
+    scheduler.submit(long)
+    assert [a.slot for a in scheduler.admit()] == [0]  # the long one needs 10 pages, 9 are free
+    scheduler.submit(Request(2, np.zeros(4, np.int32), 4))
+    assert scheduler.admit() == []  # FCFS: the small request behind the long one waits too
+    assert len(scheduler.waiting) == 2
+    scheduler.finish(0)
+    admitted = scheduler.admit()
+    assert [a.request.id for a in admitted] == [0] and admitted[0].host_pages == list(range(10))
+    scheduler.finish(0)
+    assert [a.request.id for a in scheduler.admit()] == [2]
+    scheduler.finish(0)
+    assert scheduler.all_free()
+
+
+def test_requests_that_can_never_run_are_rejected(runner):
+    engine = Engine(runner, engine_config(HISPARSE, num_host_pages=4))
+    with pytest.raises(UsageError, match=r"request 7 needs 130 tokens .* > context_length 128"):
+        engine.run([Request(7, np.zeros(120, np.int32), 10)])
+    with pytest.raises(UsageError, match=r"needs 5 host pages; the host pool has 4"):
+        engine.run([Request(8, np.zeros(30, np.int32), 10)])
+    tiny_budget = Engine(runner, engine_config(None, kv_budget_bytes=1000))
+    with pytest.raises(UsageError, match=r"device KV > kv budget 1000 B"):
+        tiny_budget.run([Request(9, np.zeros(10, np.int32), 2)])
+    with pytest.raises(UsageError, match="top_k"):
+        Engine(runner, engine_config(HiSparseConfig(top_k=8, device_buffer_size=16)))
+
+
+def test_device_footprint_counts_rows_and_indexer_keys():
+    row, key = (32 + 16) * 4, 32 * 4  # tiny: kv_lora_rank 32 + rope 16; index_head_dim 32; float32
+    on = DeviceFootprint.of(TINY, jnp.float32, HISPARSE)
+    off = DeviceFootprint.of(TINY, jnp.float32, None)
+    assert off.request_bytes(100) == 3 * 100 * row + 3 * 100 * key
+    assert on.request_bytes(100) == 3 * 21 * row + 3 * 100 * key  # B + the newest-token slot
+    assert on.capacity(10 * on.request_bytes(100), 100) == 10
+
+
+def test_eos_ends_a_request_early(runner, workload, alone):
+    request = workload[7]
+    eos = int(alone[request.id][4])
+    first = int(np.flatnonzero(alone[request.id] == eos)[0])
+    engine = Engine(runner, engine_config(HISPARSE))
+    result = engine.run([Request(request.id, request.prompt, request.max_new_tokens, eos_token_id=eos)])
+    np.testing.assert_array_equal(result.tokens[request.id], alone[request.id][: first + 1])
+    assert_everything_free(engine)
+
+
+_compiles = []
+
+
+@pytest.fixture(scope="module")
+def compile_counter():
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, duration, **kw: _compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+    )
+    return _compiles
+
+
+def test_no_recompilation_as_requests_come_and_go(runner, compile_counter):
+    requests = random_requests(num_prompts=10, input_len=60, output_len=12, range_ratio=0.2, vocab_size=512, seed=3)
+    engine = Engine(runner, engine_config(HISPARSE, max_running_requests=4))
+    engine.warmup(requests)
+    before = len(compile_counter)
+    for concurrency in (1, 3, 10):  # different batches every step, requests joining and leaving
+        engine.run(requests, max_concurrency=concurrency)
+    assert len(compile_counter) == before
+
+
+@pytest.mark.parametrize("overlap", [0.0, 0.25, 0.9, 1.0])
+def test_synthetic_selection_overlap_is_its_parameter(overlap):
+    K, C = 64, 600
+    selector = SyntheticSelector(num_index_layers=2, num_requests=3, top_k=K, max_context=C, overlap=overlap, seed=1)
+    positions = np.array([200, 400, -1])
+    for _ in range(20):
+        topk = np.asarray(selector.select(positions, [11, 12, 0]))
+        for j in range(2):
+            for r in range(2):
+                chosen = topk[j, r]
+                assert len(set(chosen)) == K and chosen.min() >= 0 and chosen.max() <= positions[r]
+        assert (topk[:, 2] == -1).all()  # inactive slot
+        positions = np.where(positions >= 0, positions + 1, -1)
+    assert selector.measured_overlap == round(overlap * K) / K
+    assert selector.compared_entries == 19 * 2 * 2 * K  # every step after the first, both layers and requests
+
+
+def test_synthetic_selection_depends_on_the_request_not_its_slot():
+    make = lambda: SyntheticSelector(num_index_layers=1, num_requests=2, top_k=16, max_context=300, overlap=0.5, seed=4)  # noqa: E731
+    a, b = make(), make()
+    for step in range(5):
+        in_a = np.asarray(a.select([100 + step, -1], [7, 0]))
+        in_b = np.asarray(b.select([50 + step, 100 + step], [3, 7]))
+        np.testing.assert_array_equal(in_a[:, 0], in_b[:, 1])
+
+
+def test_synthetic_selection_engine_runs_are_labelled_and_mode_independent(runner, workload):
+    results = {}
+    for hisparse, budget in ((HISPARSE, None), (None, DeviceFootprint.of(TINY, jnp.float32, None).request_bytes(CONTEXT))):
+        engine = Engine(runner, engine_config(hisparse, synthetic_topk_overlap=0.75, kv_budget_bytes=budget))
+        results[engine.config.mode] = engine.run(workload)
+        assert_everything_free(engine)
+    for result in results.values():
+        assert result.summary["selection"] == "synthetic(overlap=0.75)"
+        # K = 16: 12 of 16 kept; a context of 17-19 positions has too few fresh ones and keeps more.
+        assert 0.75 <= result.summary["measured_topk_overlap"] < 0.8
+    # Different schedules (the budget holds fewer baseline requests), same tokens.
+    assert [s.running for s in results["baseline"].steps] != [s.running for s in results["hisparse"].steps]
+    for request in workload:
+        np.testing.assert_array_equal(results["hisparse"].tokens[request.id], results["baseline"].tokens[request.id])
+
+
+def test_synthetic_contexts_decode_without_prefill(runner):
+    requests = [Request(i, np.full(t, 3, np.int32), 6) for i, t in enumerate((90, 40, 110))]
+    for hisparse in (HISPARSE, None):
+        engine = Engine(runner, engine_config(hisparse, synthetic_context=True))
+        result = engine.run(requests)
+        assert result.summary["ttft_ms"] is None and result.summary["synthetic_context"]
+        assert [len(result.tokens[r.id]) for r in requests] == [6, 6, 6]  # every token from a decode step
+        assert len(result.steps) == 6 and result.summary["decode_throughput"] > 0
+        assert np.isfinite(np.asarray(engine.cache.kv.seq_lens)).all()
+        assert_everything_free(engine)
+
+
+def test_summary_arithmetic():
+    steps = [StepRecord(1.0, 0.5, 2, 30, 10, 10 * 96), StepRecord(2.0, 0.25, 1, 15, 5, 5 * 96)]
+    traces = [RequestTrace(0, 10, 0.0, [0.5, 1.0, 2.0]), RequestTrace(1, 20, 0.25, [0.75, 1.0])]
+    summary = summarize(steps, traces, duration_s=2.0)
+    assert summary["output_tokens"] == 5 and summary["output_throughput"] == 2.5
+    assert summary["decode_throughput"] == 3 / 0.75
+    assert summary["ttft_ms"]["mean"] == pytest.approx(500.0)
+    assert summary["itl_ms"]["mean"] == pytest.approx((500 + 1000 + 250) / 3)
+    assert summary["itl_ms"]["p50"] == pytest.approx(500.0)
+    assert summary["miss_rate"] == 15 / 60 and summary["h2d_bytes"] == 15 * 96
