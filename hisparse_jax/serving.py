@@ -135,6 +135,16 @@ class ServingArgs:
         return f"SYNTHETIC top-k, overlap {self.synthetic_topk_overlap:g}"
 
 
+def model_config(args: ServingArgs) -> DSAModelConfig:
+    """The architecture alone (cheap): a built-in config or the checkpoint's config.json."""
+    if args.checkpoint is None:
+        return MODELS[args.model]()
+    try:
+        return DSAModelConfig.from_hf_config(args.checkpoint)
+    except (UnsupportedModelError, FileNotFoundError, ValueError) as error:
+        raise UsageError(f"--checkpoint: {error}") from None
+
+
 def load_model(args: ServingArgs):
     """(model, name): random weights of a built-in config, or a checkpoint's weights."""
     dtype = DTYPES[args.dtype]
@@ -154,8 +164,7 @@ def _point(result, concurrency: int) -> dict:
 
 def run_serving(args: ServingArgs) -> dict:
     """Runs everything `args` asks for; writes results JSON + plots to args.output_dir."""
-    model, model_name = load_model(args)
-    config = model.config
+    config = model_config(args)  # everything is checked before the weights are built
     hisparse = resolve_hisparse_config(args.hisparse_config, config)
     if hisparse.top_k != config.index_topk:
         raise UsageError(f"hisparse_config top_k ({hisparse.top_k}) must equal the model's index_topk ({config.index_topk})")
@@ -164,6 +173,16 @@ def run_serving(args: ServingArgs) -> dict:
         range_ratio=args.random_range_ratio, vocab_size=config.vocab_size, seed=args.seed, eos_token_id=args.eos_token_id,
     )  # fmt: skip
     context = args.context_length or max(r.max_tokens for r in requests)
+    longest = max(requests, key=lambda r: r.max_tokens)
+    if longest.max_tokens > context:
+        raise UsageError(
+            f"request {longest.id} needs {longest.max_tokens} tokens ({longest.prompt_len} prompt +"
+            f" {longest.max_new_tokens} new) > context_length {context}"
+        )
+    for size in args.device_buffer_sweep:
+        if size < hisparse.top_k:
+            raise UsageError(f"--device_buffer_sweep: device_buffer_size ({size}) must be >= top_k ({hisparse.top_k})")
+    model, model_name = load_model(args)
     dtype = DTYPES[args.dtype]
     if args.kv_budget_gb is not None:
         budget, budget_source = int(args.kv_budget_gb * 1e9), "--kv_budget_gb"
@@ -205,10 +224,7 @@ def run_serving(args: ServingArgs) -> dict:
             write_json(json_path, results)  # partial results survive an interruption
     results["tokens_identical"] = _all_identical(tokens, [r.id for r in requests])
     for size in args.device_buffer_sweep:
-        try:
-            swept = dataclasses.replace(hisparse, device_buffer_size=size)
-        except HiSparseConfigError as error:
-            raise UsageError(f"--device_buffer_sweep: {error}") from None
+        swept = dataclasses.replace(hisparse, device_buffer_size=size)
         engine = _engine(runner, args, swept, context, budget, host_pages or _host_pages(hisparse, args))
         engine.warmup(requests)
         run = engine.run(requests, max_concurrency=max(concurrencies), progress=args.progress, label=f"buffer {size}")
