@@ -260,5 +260,5 @@ class Engine:
         by_bucket = {}
         for request in requests:
             by_bucket.setdefault(_padded_length(request.prompt_len, chunk), request)
-        warm = [Request(-1 - i, r.prompt, 2) for i, r in enumerate(by_bucket.values())]
+        warm = [Request(i, r.prompt, 2) for i, r in enumerate(by_bucket.values())]
         self.run(warm, max_concurrency=1)

@@ -7,6 +7,8 @@ figure can never pass for a real-model one.
 
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -25,6 +27,10 @@ def rolling_mean(values, window: int) -> np.ndarray:
     return (sums[ends] - sums[starts]) / (ends - starts)
 
 
+def _title(ax, text: str) -> None:
+    ax.set_title("\n".join(textwrap.wrap(text, 70)), fontsize=9)
+
+
 def _save(fig, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -32,7 +38,8 @@ def _save(fig, path) -> None:
 
 
 def throughput_vs_concurrency(points: list[dict], path, *, label: str, metric: str = "output_throughput") -> None:
-    """points: {"mode", "max_concurrency", metric} dicts; one line per mode."""
+    """points: {"mode", "max_concurrency", metric} dicts; one line per mode. metric:
+    "output_throughput" (tokens over the run's wall time) or "decode_throughput" (over decode steps)."""
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode in sorted({p["mode"] for p in points}):
         mine = sorted((p for p in points if p["mode"] == mode), key=lambda p: p["max_concurrency"])
@@ -40,7 +47,7 @@ def throughput_vs_concurrency(points: list[dict], path, *, label: str, metric: s
     ax.set_xscale("log", base=2)
     ax.set_xlabel("max concurrency (requests in flight)")
     ax.set_ylabel(f"{metric.replace('_', ' ')} (tokens/s)")
-    ax.set_title(f"Throughput vs concurrency [{label}]", fontsize=10)
+    _title(ax, f"Throughput vs concurrency [{label}]")
     ax.grid(True, alpha=0.3)
     ax.legend()
     _save(fig, path)
@@ -53,7 +60,7 @@ def misses_over_time(series: dict[str, list[int]], path, *, label: str, window: 
         ax.plot(rolling_mean(misses, window), label=name)
     ax.set_xlabel("decode step")
     ax.set_ylabel(f"misses per step (rolling mean, {window} steps)")
-    ax.set_title(f"Host->device misses over time [{label}]", fontsize=10)
+    _title(ax, f"Host->device misses over time [{label}]")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     _save(fig, path)
@@ -71,6 +78,6 @@ def misses_vs_buffer_size(points: list[dict], path, *, label: str) -> None:
     twin.plot(sizes, [p["miss_rate"] for p in points], marker="s", color="tab:blue", label="miss rate")
     twin.set_ylabel("miss rate (misses / selected rows)", color="tab:blue")
     twin.set_ylim(0, 1)
-    ax.set_title(f"Misses vs device buffer size [{label}]", fontsize=10)
+    _title(ax, f"Misses vs device buffer size [{label}]")
     ax.grid(True, alpha=0.3)
     _save(fig, path)

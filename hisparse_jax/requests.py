@@ -28,6 +28,8 @@ class Request:
     eos_token_id: int | None = None  # generation also stops after this token; None: never
 
     def __post_init__(self):
+        if isinstance(self.id, bool) or not isinstance(self.id, (int, np.integer)) or self.id < 0:
+            raise UsageError(f"request id must be a non-negative integer, got {self.id!r}")
         if self.prompt.ndim != 1 or self.prompt.shape[0] < 1:
             raise UsageError(f"request {self.id}: prompt must be a non-empty 1-D token array, got shape {self.prompt.shape}")
         if self.max_new_tokens < 1:

@@ -1,0 +1,300 @@
+"""H200 serving benchmark: HiSparse vs the full-KV baseline, decode throughput under one budget.
+
+    XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=100 python benchmarks/bench_serving.py --output_dir=OUT
+    python benchmarks/bench_serving.py --smoke --output_dir=/tmp/bs     # CPU, tiny sizes
+
+Model: DeepSeek-V3.2's attention exactly (576-wide latent rows, 128 heads, indexer 64 x 128,
+top_k 2048, hidden 7168, vocab 129,280) with --num_layers layers (the first dense) and
+--num_experts routed experts, RANDOM weights.
+Contexts: SYNTHETIC. Each request's 32k-token context is random KV rows written straight into
+the host pool (HiSparse) or the device KV (baseline) and random indexer keys into the device
+key cache (hisparse_jax.synthetic_fill), as a PD decode instance receives finished KV, so
+prefill stays out of the timing. Selection: the random-weight indexers' own top-k ("model"),
+then, labelled apart, the SYNTHETIC selector with --synthetic_topk_overlap.
+Budget: both modes get the same device KV budget (rows + indexer keys), by default that of an
+H200 serving DeepSeek-V3.2 FP8 at TP8 (see KV_BUDGET_NOTE), pro rata for our layers. Each mode
+runs with as many request slots as its budget holds (its capacity); HiSparse's host pool is
+host_to_device_ratio (8) x its device pool (slots x B rows per layer).
+
+Per point: requests = min(concurrency, capacity) run together for --warm_steps untimed decode
+steps (the first one demand-loads every selected row) then --steps timed ones. Above capacity
+extra requests would queue, so the figure is the capacity's, measured once and reported for
+each such concurrency (`running` says so). Concurrencies below capacity run in the same
+compiled engine with the other slots masked (static shapes, one compile per mode); masked slots
+still cost the indexer's work, so those points are pessimistic, and more so for HiSparse (more
+slots): the `equal_slots` phase reruns HiSparse with the baseline's slot count for a like-for-
+like low-concurrency comparison. Results JSON is rewritten after every point; a time guard
+skips phases that would not finish within --time_budget_s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "100")  # pinned pool past JAX's 64 GB default
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from configs.model import DSAModelConfig  # noqa: E402
+from hisparse_jax import plots  # noqa: E402
+from hisparse_jax.config import HiSparseConfig  # noqa: E402
+from hisparse_jax.engine import Engine, EngineConfig  # noqa: E402
+from hisparse_jax.requests import Request  # noqa: E402
+from hisparse_jax.scheduler import DeviceFootprint  # noqa: E402
+from hisparse_jax.telemetry import write_json  # noqa: E402
+from models.decoder import DSAForCausalLM  # noqa: E402
+from models.decoding import ModelRunner  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("output_dir", "outputs/bench_serving", "Where bench_serving.json and the plots go.")
+flags.DEFINE_list("concurrency", ["1", "4", "16", "64", "128", "256"], "Max concurrencies to report.")
+flags.DEFINE_integer("num_layers", 4, "Model layers (the first dense, the rest MoE).")
+flags.DEFINE_integer("num_experts", 16, "Routed experts per MoE layer (top-8 of them, 8 groups).")
+flags.DEFINE_integer("context", 32768, "Tokens per request at the end of the run (prompt + decoded).")
+flags.DEFINE_integer("warm_steps", 4, "Untimed decode steps per point (the first demand-loads the buffer).")
+flags.DEFINE_integer("steps", 12, "Timed decode steps per point.")
+flags.DEFINE_string("hisparse_config", '{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 8}', "As SGLang.")
+flags.DEFINE_float("kv_budget_gb_per_layer", None, "Device KV budget per layer (default: KV_BUDGET_NOTE; smoke: 0.00025).")
+flags.DEFINE_float("synthetic_topk_overlap", 0.9, "Overlap of the SYNTHETIC selection phase (negative: skip it).")
+flags.DEFINE_list("phases", ["model", "synthetic", "equal_slots"], "What to run, in this order after the headline.")
+flags.DEFINE_float("time_budget_s", 180.0, "Skip a phase that would end past this many seconds from the start.")
+flags.DEFINE_bool("smoke", False, "Tiny model and context, to try the script on a CPU.")
+
+# The budget assumption, stated in the output. An H200 has 141 GB of HBM. DeepSeek-V3.2 in FP8
+# (~690 GB of weights) at TP8 holds ~86 GB of them per GPU; SGLang's static memory fraction
+# (~0.88) leaves ~38 GB for the KV pool, which with MLA (one KV head, replicated over the TP
+# ranks) holds every running request's KV for all 61 layers: ~0.62 GB per layer.
+KV_BUDGET_NOTE = (
+    "0.62 GB per layer: an H200 (141 GB) serving DeepSeek-V3.2 FP8 at TP8 holds ~86 GB of weights per GPU;"
+    " a static memory fraction of 0.88 leaves ~38 GB for the KV pool of all 61 layers"
+)
+KV_BUDGET_GB_PER_LAYER = 0.62
+SMOKE_KV_BUDGET_GB_PER_LAYER = 0.00025
+
+RESULTS: dict = {"device": None, "setup": {}, "points": [], "phases": [], "errors": []}
+T0 = time.perf_counter()
+
+
+def log(*args):
+    print(f"[{time.perf_counter() - T0:7.1f}s]", *args, flush=True)
+
+
+def save():
+    write_json(os.path.join(FLAGS.output_dir, "bench_serving.json"), RESULTS)
+
+
+def model_config() -> DSAModelConfig:
+    if FLAGS.smoke:
+        return DSAModelConfig.tiny()
+    L = FLAGS.num_layers
+    return DSAModelConfig.deepseek_v32().replace(
+        num_layers=L, mlp_layer_types=("dense",) + ("sparse",) * (L - 1), indexer_types=("full",) * L,
+        n_routed_experts=FLAGS.num_experts, n_group=8, topk_group=4,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass
+class Setup:
+    runner: ModelRunner
+    hisparse: HiSparseConfig
+    context: int
+    prompt_len: int
+    budget: int  # device KV bytes, both modes
+    capacity: dict  # mode -> request slots the budget holds at `context` tokens
+
+
+def build() -> Setup:
+    config = model_config()
+    dtype = jnp.bfloat16
+    hisparse = HiSparseConfig.from_json(FLAGS.hisparse_config)
+    context = 256 if FLAGS.smoke else FLAGS.context  # = host_to_device_ratio x B: one context per slot
+    if FLAGS.smoke:
+        hisparse = HiSparseConfig(top_k=config.index_topk, device_buffer_size=2 * config.index_topk, host_to_device_ratio=8)
+    per_layer_gb = FLAGS.kv_budget_gb_per_layer or (SMOKE_KV_BUDGET_GB_PER_LAYER if FLAGS.smoke else KV_BUDGET_GB_PER_LAYER)
+    budget = int(per_layer_gb * 1e9 * config.num_layers)
+    capacity = {
+        "hisparse": DeviceFootprint.of(config, dtype, hisparse).capacity(budget, context),
+        "baseline": DeviceFootprint.of(config, dtype, None).capacity(budget, context),
+    }
+    if min(capacity.values()) < 1:
+        raise ValueError(f"the budget holds no request: {capacity}")
+    log(f"model: {config.num_layers} layers, {config.num_heads} heads, hidden {config.hidden_size}, {config.n_routed_experts} experts")
+    t = time.perf_counter()
+    model = DSAForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))
+    jax.block_until_ready(nnx.state(model))
+    log(f"random weights built in {time.perf_counter() - t:.1f}s")
+    B = hisparse.device_buffer_size
+    row_bytes, key_bytes = DeviceFootprint.of(config, dtype, None).row_bytes, DeviceFootprint.of(config, dtype, None).key_bytes
+    RESULTS["setup"] = dict(
+        model=dict(base="deepseek_v32", weights="random", num_layers=config.num_layers, num_heads=config.num_heads,
+                   hidden_size=config.hidden_size, kv_row_width=config.kv_row_width, index_n_heads=config.index_n_heads,
+                   index_head_dim=config.index_head_dim, index_topk=config.index_topk,
+                   n_routed_experts=config.n_routed_experts, vocab_size=config.vocab_size, dtype="bfloat16"),
+        contexts=(f"SYNTHETIC: {context}-token contexts ({context - FLAGS.warm_steps - FLAGS.steps} prompt tokens of random KV"
+                  " rows written straight into the host pool / the baseline's device KV, random indexer keys; no prefill)"),
+        hisparse_config=json.loads(hisparse.to_json()),
+        kv_budget=dict(bytes=budget, gb_per_layer=per_layer_gb, note="smoke" if FLAGS.smoke else KV_BUDGET_NOTE,
+                       counts=f"bf16 KV rows ({row_bytes} B) + bf16 indexer keys ({key_bytes} B), per token and layer"),
+        capacity=capacity,
+        host_pool=dict(rows_per_layer=hisparse.host_to_device_ratio * capacity["hisparse"] * B,
+                       bytes=hisparse.host_to_device_ratio * capacity["hisparse"] * B * row_bytes * config.num_layers,
+                       rule="host_to_device_ratio x HiSparse's device pool (slots x device_buffer_size rows per layer)"),
+        warm_steps=FLAGS.warm_steps, timed_steps=FLAGS.steps,
+    )  # fmt: skip
+    log("capacity under the budget:", capacity)
+    save()
+    return Setup(ModelRunner(model), hisparse, context, context - FLAGS.warm_steps - FLAGS.steps, budget, capacity)
+
+
+def point_metrics(result, warm: int) -> dict:
+    steps = result.steps[warm:]
+    step_s = np.array([s.step_s for s in steps])
+    running = np.array([s.running for s in steps])
+    hits, misses = sum(s.hits for s in steps), sum(s.misses for s in steps)
+    h2d = sum(s.h2d_bytes for s in steps)
+    return dict(
+        decode_throughput=float(running.sum() / step_s.sum()),  # tokens/s over the timed steps
+        itl_ms=dict(mean=float(step_s.mean() * 1e3), p50=float(np.percentile(step_s, 50) * 1e3),
+                    p99=float(np.percentile(step_s, 99) * 1e3)),  # every running request gets a token per step
+        miss_rate=misses / (hits + misses) if hits + misses else 0.0,
+        misses_per_step=misses / len(steps),
+        h2d_gb_per_s=h2d / step_s.sum() / 1e9,
+        running=int(running.max()),  # requests decoded together (all of them, unless a pool held fewer)
+        cold_step_ms=result.steps[0].step_s * 1e3,  # the first step: every selected row demand-loaded
+        misses_per_step_all=[s.misses for s in result.steps],
+        timed_steps=len(steps),
+    )  # fmt: skip
+
+
+def run_phase(setup: Setup, name: str, mode: str, slots: int, concurrencies: list[int], overlap: float | None) -> None:
+    """One engine (one compile), its points in the given order."""
+    t = time.perf_counter()
+    hisparse = setup.hisparse if mode == "hisparse" else None
+    engine = Engine(
+        setup.runner,
+        EngineConfig(max_running_requests=slots, context_length=setup.context, hisparse=hisparse,
+                     kv_budget_bytes=setup.budget, page_size=64, synthetic_topk_overlap=overlap,
+                     synthetic_context=True, seed=0),
+    )  # fmt: skip
+    prompt = np.zeros(setup.prompt_len, np.int32)
+    engine.warmup([Request(0, prompt, 2)])
+    log(f"{name}: {mode} engine with {slots} slots ready (allocation + compile) in {time.perf_counter() - t:.1f}s")
+    if engine.capacity(setup.context) < slots:  # e.g. a host pool too small for `slots` contexts
+        log(f"  warning: only {engine.capacity(setup.context)} of {slots} contexts fit at once")
+    selection = "model" if overlap is None else f"SYNTHETIC(overlap={overlap:g})"
+    measured = {}
+    for c in concurrencies:
+        running = min(c, slots)
+        if running not in measured:
+            requests = [Request(i, prompt, FLAGS.warm_steps + FLAGS.steps) for i in range(running)]
+            result = engine.run(requests, max_concurrency=running)
+            measured[running] = point_metrics(result, FLAGS.warm_steps)
+            if overlap is not None:
+                measured[running]["measured_topk_overlap"] = result.summary.get("measured_topk_overlap")
+        metrics = measured[running]
+        RESULTS["points"].append(dict(phase=name, selection=selection, mode=mode, slots=slots, max_concurrency=c, **metrics))
+        log(f"  {mode:8s} c={c:4d} running={running:4d}: {metrics['decode_throughput']:10.1f} tok/s,"
+            f" ITL {metrics['itl_ms']['mean']:.2f} ms (p99 {metrics['itl_ms']['p99']:.2f}),"
+            f" miss rate {metrics['miss_rate']:.3f}, {metrics['h2d_gb_per_s']:.1f} GB/s host->device")  # fmt: skip
+        save()
+    del engine
+    RESULTS["phases"].append(dict(name=name, mode=mode, slots=slots, seconds=time.perf_counter() - t))
+    save()
+
+
+def _series_mode(p) -> str:
+    return f"hisparse ({p['slots']} slots, the baseline's)" if p["phase"] == "equal_slots" else p["mode"]
+
+
+def draw() -> None:
+    """One throughput plot and one misses plot per selection; synthetic ones apart."""
+    for phases, tag in ((("model", "equal_slots"), "model_selection"), (("synthetic",), "synthetic_selection")):
+        points = [dict(p, mode=_series_mode(p)) for p in RESULTS["points"] if p["phase"] in phases]
+        if not points:
+            continue
+        label = f"{points[0]['selection']} selection, SYNTHETIC contexts, random weights"
+        plots.throughput_vs_concurrency(
+            points, os.path.join(FLAGS.output_dir, f"throughput_{tag}.png"), label=label, metric="decode_throughput"
+        )
+        series = {f"{p['mode']}, running {p['running']}": p["misses_per_step_all"] for p in points if p["mode"].startswith("hisparse")}
+        plots.misses_over_time(series, os.path.join(FLAGS.output_dir, f"misses_{tag}.png"), label=label, window=4)
+
+
+def ratios() -> list[dict]:
+    """HiSparse / baseline decode throughput at the same concurrency and selection (equal_slots:
+    against the baseline at the same number of running requests)."""
+    out = []
+    for p in RESULTS["points"]:
+        if p["mode"] != "hisparse":
+            continue
+        key = "running" if p["phase"] == "equal_slots" else "max_concurrency"
+        twin_phase = "model" if p["phase"] == "equal_slots" else p["phase"]
+        for b in RESULTS["points"]:
+            if b["mode"] == "baseline" and b["phase"] == twin_phase and b[key] == p[key]:
+                out.append(dict(phase=p["phase"], max_concurrency=p["max_concurrency"], running=(p["running"], b["running"]),
+                                ratio=p["decode_throughput"] / b["decode_throughput"]))  # fmt: skip
+                break
+    return out
+
+
+def main(_):
+    os.makedirs(FLAGS.output_dir, exist_ok=True)
+    RESULTS["device"] = str(jax.devices()[0].device_kind)
+    RESULTS["jax"] = jax.__version__
+    log(f"jax {jax.__version__} on {jax.devices()}")
+    setup = build()
+    concurrency = sorted(int(c) for c in FLAGS.concurrency)
+    if FLAGS.smoke:
+        concurrency = [c for c in concurrency if c <= 16]
+    cap_h, cap_b = setup.capacity["hisparse"], setup.capacity["baseline"]
+
+    def headline_first(cap):  # the capacity point, then the rest from low to high
+        above = [c for c in concurrency if c >= cap]
+        return above + [c for c in concurrency if c < cap]
+
+    overlap = FLAGS.synthetic_topk_overlap if FLAGS.synthetic_topk_overlap >= 0 else None
+    plan = []
+    if "model" in FLAGS.phases:
+        plan += [("model", "hisparse", cap_h, headline_first(cap_h), None), ("model", "baseline", cap_b, headline_first(cap_b), None)]
+    if "synthetic" in FLAGS.phases and overlap is not None:
+        caps_only = lambda cap: [c for c in concurrency if c >= cap] or [cap]  # noqa: E731
+        plan += [("synthetic", "hisparse", cap_h, caps_only(cap_h), overlap), ("synthetic", "baseline", cap_b, caps_only(cap_b), overlap)]
+    if "equal_slots" in FLAGS.phases and cap_h > cap_b:
+        plan += [("equal_slots", "hisparse", cap_b, [c for c in concurrency if c < cap_b] + [cap_b], None)]
+    longest = 0.0
+    for name, mode, slots, points, phase_overlap in plan:
+        elapsed = time.perf_counter() - T0
+        if elapsed + 1.2 * longest > FLAGS.time_budget_s:
+            log(f"skip {name}/{mode}: {elapsed:.0f}s elapsed + ~{longest:.0f}s > --time_budget_s={FLAGS.time_budget_s:.0f}")
+            RESULTS["phases"].append(dict(name=name, mode=mode, skipped=True))
+            save()
+            continue
+        start = time.perf_counter()
+        try:
+            run_phase(setup, name, mode, slots, sorted(set(points), key=points.index), phase_overlap)
+        except Exception as error:  # keep the other phases' results
+            RESULTS["errors"].append(dict(phase=name, mode=mode, error=repr(error), trace=traceback.format_exc()[-3000:]))
+            log(f"{name}/{mode} failed: {error!r}")
+            save()
+        longest = max(longest, time.perf_counter() - start)
+        draw()
+    RESULTS["ratios"] = ratios()
+    for r in RESULTS["ratios"]:
+        log(f"{r['phase']:11s} c={r['max_concurrency']:4d} running (hisparse, baseline) {r['running']}: hisparse / baseline = {r['ratio']:.2f}x")
+    draw()
+    save()
+    log("done; wrote", os.path.join(FLAGS.output_dir, "bench_serving.json"))
+
+
+if __name__ == "__main__":
+    app.run(main)

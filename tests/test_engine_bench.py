@@ -1,0 +1,34 @@
+"""benchmarks/bench_serving.py --smoke on the CPU: the H200 script runs end to end (its GPU
+session is a single call, so a crash there would cost the whole measurement)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_serving_smoke_runs_every_phase(tmp_path):
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_serving.py"), "--smoke", f"--output_dir={tmp_path}",
+         "--steps=3", "--warm_steps=1", "--concurrency=1,16"],
+        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "bench_serving.json") as f:
+        results = json.load(f)
+    assert results["errors"] == [], results["errors"]
+    capacity = results["setup"]["capacity"]
+    assert capacity["hisparse"] > capacity["baseline"] >= 1
+    phases = {(p["phase"], p["mode"]) for p in results["points"]}
+    assert phases == {("model", "hisparse"), ("model", "baseline"), ("synthetic", "hisparse"),
+                      ("synthetic", "baseline"), ("equal_slots", "hisparse")}  # fmt: skip
+    for p in results["points"]:
+        assert p["running"] == min(p["max_concurrency"], p["slots"]) and p["timed_steps"] == 3
+        assert p["decode_throughput"] > 0 and (p["miss_rate"] > 0) == (p["mode"] == "hisparse")
+        if p["phase"] == "synthetic":
+            assert p["selection"].startswith("SYNTHETIC") and p["measured_topk_overlap"] is not None
+    assert {r["phase"] for r in results["ratios"]} == {"model", "synthetic", "equal_slots"}
+    for name in ("throughput_model_selection", "misses_model_selection", "throughput_synthetic_selection"):
+        assert (tmp_path / f"{name}.png").stat().st_size > 0
