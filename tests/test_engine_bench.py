@@ -1,14 +1,18 @@
 """benchmarks/bench_serving.py --smoke on the CPU: the H200 script runs end to end (its GPU
-session is a single call, so a crash there would cost the whole measurement)."""
+session is a single call, so a crash there would cost the whole measurement). ~25 s, so slow:
+run it with `pytest -m slow tests/test_engine_bench.py` after touching the engine or the script."""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_bench_serving_smoke_runs_every_phase(tmp_path):
     done = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_serving.py"), "--smoke", f"--output_dir={tmp_path}",
