@@ -20,11 +20,12 @@ Per point: requests = min(concurrency, capacity) run together for --warm_steps u
 steps (the first one demand-loads every selected row) then --steps timed ones. Above capacity
 extra requests would queue, so the figure is the capacity's, measured once and reported for
 each such concurrency (`running` says so). Concurrencies below capacity run in the same
-compiled engine with the other slots masked (static shapes, one compile per mode); masked slots
-still cost the indexer's work, so those points are pessimistic, and more so for HiSparse (more
-slots): the `equal_slots` phase reruns HiSparse with the baseline's slot count for a like-for-
-like low-concurrency comparison. Results JSON is rewritten after every point; a time guard
-skips phases that would not finish within --time_budget_s.
+compiled engine with the other slots masked (static shapes, one compile per engine and
+selection); masked slots still cost the indexer's work, so those points are pessimistic, and
+more so for HiSparse (more slots): the `equal_slots` segment reruns HiSparse with the baseline's
+slot count for a like-for-like low-concurrency comparison. Segments run most important first
+(benchmarks/README.md); the results JSON is rewritten after every point, and a time guard skips
+segments that would not finish within --time_budget_s.
 """
 
 from __future__ import annotations
@@ -176,40 +177,60 @@ def point_metrics(result, warm: int) -> dict:
     )  # fmt: skip
 
 
-def run_phase(setup: Setup, name: str, mode: str, slots: int, concurrencies: list[int], overlap: float | None) -> None:
-    """One engine (one compile), its points in the given order."""
+class Engines:
+    """The benchmark's engines, created on first use and kept (both modes fit the GPU at once),
+    each warmed once per selection (one decode compile each)."""
+
+    def __init__(self, setup: Setup):
+        self.setup = setup
+        self.prompt = np.zeros(setup.prompt_len, np.int32)
+        self._engines: dict[tuple[str, int], Engine] = {}
+        self._warm: set[tuple[str, int, float | None]] = set()
+
+    def needs_compile(self, mode: str, slots: int, overlap: float | None) -> bool:
+        return (mode, slots, overlap) not in self._warm
+
+    def get(self, mode: str, slots: int, overlap: float | None) -> Engine:
+        setup = self.setup
+        if (mode, slots) not in self._engines:
+            self._engines[mode, slots] = engine = Engine(
+                setup.runner,
+                EngineConfig(max_running_requests=slots, context_length=setup.context,
+                             hisparse=setup.hisparse if mode == "hisparse" else None, kv_budget_bytes=setup.budget,
+                             page_size=64, synthetic_context=True, seed=0),
+            )  # fmt: skip
+            if engine.capacity(setup.context) < slots:  # e.g. a host pool too small for `slots` contexts
+                log(f"  warning: only {engine.capacity(setup.context)} of {slots} contexts fit at once")
+        engine = self._engines[mode, slots]
+        if engine.config.synthetic_topk_overlap != overlap:
+            engine.use_selection(overlap)
+        if (mode, slots, overlap) not in self._warm:
+            engine.warmup([Request(0, self.prompt, 2)])  # compiles this selection's decode step
+            self._warm.add((mode, slots, overlap))
+        return engine
+
+
+def run_segment(engines: Engines, name: str, mode: str, slots: int, overlap: float | None, concurrencies: list[int]) -> None:
+    """Points of one (engine, selection): requests = min(c, slots) decode together."""
     t = time.perf_counter()
-    hisparse = setup.hisparse if mode == "hisparse" else None
-    engine = Engine(
-        setup.runner,
-        EngineConfig(max_running_requests=slots, context_length=setup.context, hisparse=hisparse,
-                     kv_budget_bytes=setup.budget, page_size=64, synthetic_topk_overlap=overlap,
-                     synthetic_context=True, seed=0),
-    )  # fmt: skip
-    prompt = np.zeros(setup.prompt_len, np.int32)
-    engine.warmup([Request(0, prompt, 2)])
-    log(f"{name}: {mode} engine with {slots} slots ready (allocation + compile) in {time.perf_counter() - t:.1f}s")
-    if engine.capacity(setup.context) < slots:  # e.g. a host pool too small for `slots` contexts
-        log(f"  warning: only {engine.capacity(setup.context)} of {slots} contexts fit at once")
+    engine = engines.get(mode, slots, overlap)
+    log(f"{name}: {mode} engine with {slots} slots ready in {time.perf_counter() - t:.1f}s")
     selection = "model" if overlap is None else f"SYNTHETIC(overlap={overlap:g})"
     measured = {}
     for c in concurrencies:
         running = min(c, slots)
         if running not in measured:
-            requests = [Request(i, prompt, FLAGS.warm_steps + FLAGS.steps) for i in range(running)]
+            requests = [Request(i, engines.prompt, FLAGS.warm_steps + FLAGS.steps) for i in range(running)]
             result = engine.run(requests, max_concurrency=running)
             measured[running] = point_metrics(result, FLAGS.warm_steps)
             if overlap is not None:
                 measured[running]["measured_topk_overlap"] = result.summary.get("measured_topk_overlap")
         metrics = measured[running]
         RESULTS["points"].append(dict(phase=name, selection=selection, mode=mode, slots=slots, max_concurrency=c, **metrics))
-        log(f"  {mode:8s} c={c:4d} running={running:4d}: {metrics['decode_throughput']:10.1f} tok/s,"
+        log(f"  {name:11s} {mode:8s} c={c:4d} running={metrics['running']:4d}: {metrics['decode_throughput']:10.1f} tok/s,"
             f" ITL {metrics['itl_ms']['mean']:.2f} ms (p99 {metrics['itl_ms']['p99']:.2f}),"
             f" miss rate {metrics['miss_rate']:.3f}, {metrics['h2d_gb_per_s']:.1f} GB/s host->device")  # fmt: skip
         save()
-    del engine
-    RESULTS["phases"].append(dict(name=name, mode=mode, slots=slots, seconds=time.perf_counter() - t))
-    save()
 
 
 def _series_mode(p) -> str:
@@ -258,35 +279,42 @@ def main(_):
         concurrency = [c for c in concurrency if c <= 16]
     cap_h, cap_b = setup.capacity["hisparse"], setup.capacity["baseline"]
 
-    def headline_first(cap):  # the capacity point, then the rest from low to high
-        above = [c for c in concurrency if c >= cap]
-        return above + [c for c in concurrency if c < cap]
+    def headline(cap):  # concurrencies at or above capacity: one run at capacity stands for them
+        return [c for c in concurrency if c >= cap] or [cap]
+
+    def below(cap):
+        return [c for c in concurrency if c < cap]
 
     overlap = FLAGS.synthetic_topk_overlap if FLAGS.synthetic_topk_overlap >= 0 else None
-    plan = []
+    modes = (("hisparse", cap_h), ("baseline", cap_b))
+    plan = []  # (phase, mode, slots, overlap, concurrencies), most important first
     if "model" in FLAGS.phases:
-        plan += [("model", "hisparse", cap_h, headline_first(cap_h), None), ("model", "baseline", cap_b, headline_first(cap_b), None)]
+        plan += [("model", mode, cap, None, headline(cap)) for mode, cap in modes]
     if "synthetic" in FLAGS.phases and overlap is not None:
-        caps_only = lambda cap: [c for c in concurrency if c >= cap] or [cap]  # noqa: E731
-        plan += [("synthetic", "hisparse", cap_h, caps_only(cap_h), overlap), ("synthetic", "baseline", cap_b, caps_only(cap_b), overlap)]
+        plan += [("synthetic", mode, cap, overlap, headline(cap)) for mode, cap in modes]
+    if "model" in FLAGS.phases:
+        plan += [("model", mode, cap, None, below(cap)) for mode, cap in modes if below(cap)]
     if "equal_slots" in FLAGS.phases and cap_h > cap_b:
-        plan += [("equal_slots", "hisparse", cap_b, [c for c in concurrency if c < cap_b] + [cap_b], None)]
-    longest = 0.0
-    for name, mode, slots, points, phase_overlap in plan:
+        plan.append(("equal_slots", "hisparse", cap_b, None, below(cap_b) + [cap_b]))
+    engines = Engines(setup)
+    cost = {True: 0.0, False: 0.0}  # longest segment so far, with / without a compile
+    for name, mode, slots, phase_overlap, points in plan:
+        compiles = engines.needs_compile(mode, slots, phase_overlap)
         elapsed = time.perf_counter() - T0
-        if elapsed + 1.2 * longest > FLAGS.time_budget_s:
-            log(f"skip {name}/{mode}: {elapsed:.0f}s elapsed + ~{longest:.0f}s > --time_budget_s={FLAGS.time_budget_s:.0f}")
-            RESULTS["phases"].append(dict(name=name, mode=mode, skipped=True))
+        if elapsed + 1.2 * cost[compiles] > FLAGS.time_budget_s:
+            log(f"skip {name}/{mode} ({slots} slots): {elapsed:.0f}s elapsed + ~{cost[compiles]:.0f}s > --time_budget_s")
+            RESULTS["phases"].append(dict(name=name, mode=mode, slots=slots, points=points, skipped=True))
             save()
             continue
         start = time.perf_counter()
         try:
-            run_phase(setup, name, mode, slots, sorted(set(points), key=points.index), phase_overlap)
-        except Exception as error:  # keep the other phases' results
-            RESULTS["errors"].append(dict(phase=name, mode=mode, error=repr(error), trace=traceback.format_exc()[-3000:]))
-            log(f"{name}/{mode} failed: {error!r}")
-            save()
-        longest = max(longest, time.perf_counter() - start)
+            run_segment(engines, name, mode, slots, phase_overlap, points)
+            RESULTS["phases"].append(dict(name=name, mode=mode, slots=slots, points=points, seconds=time.perf_counter() - start))
+        except Exception as error:  # keep the other segments' results
+            RESULTS["errors"].append(dict(phase=name, mode=mode, slots=slots, error=repr(error), trace=traceback.format_exc()[-3000:]))
+            log(f"{name}/{mode} ({slots} slots) failed: {error!r}")
+        cost[compiles] = max(cost[compiles], time.perf_counter() - start)
+        save()
         draw()
     RESULTS["ratios"] = ratios()
     for r in RESULTS["ratios"]:

@@ -121,13 +121,21 @@ class Engine:
         self._argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
         self._count = jax.jit(lambda t: (jnp.sum(t.num_hits), jnp.sum(t.num_misses)))
         self.selector = None
-        if config.synthetic_topk_overlap is not None:
-            self.selector = SyntheticSelector(
-                num_index_layers=len(model.full_indexer_layers), num_requests=R, top_k=model.index_topk,
-                max_context=C, overlap=config.synthetic_topk_overlap, seed=config.seed,
-            )  # fmt: skip
+        self.use_selection(config.synthetic_topk_overlap)
         self._fill = SyntheticFill(self.cache, implementation=runner.implementation) if config.synthetic_context else None
         self._fill_key = jax.random.key(config.seed)
+
+    def use_selection(self, synthetic_topk_overlap: float | None) -> None:
+        """Decode top-k from the model's indexers (None) or the SYNTHETIC selector with this
+        overlap, from the next run on; the cache stays (benchmarks switch without reallocating)."""
+        self.config = dataclasses.replace(self.config, synthetic_topk_overlap=synthetic_topk_overlap)
+        self.selector = None
+        if synthetic_topk_overlap is not None:
+            model, R = self.runner.config, self.config.max_running_requests
+            self.selector = SyntheticSelector(
+                num_index_layers=len(model.full_indexer_layers), num_requests=R, top_k=model.index_topk,
+                max_context=self.config.context_length, overlap=synthetic_topk_overlap, seed=self.config.seed,
+            )  # fmt: skip
 
     # ---- sizes ------------------------------------------------------------------------------------
 
