@@ -47,7 +47,6 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs.model import DSAModelConfig  # noqa: E402
-from hisparse_jax import plots  # noqa: E402
 from hisparse_jax.config import HiSparseConfig  # noqa: E402
 from hisparse_jax.engine import Engine, EngineConfig  # noqa: E402
 from hisparse_jax.requests import Request  # noqa: E402
@@ -70,6 +69,7 @@ flags.DEFINE_float("synthetic_topk_overlap", 0.9, "Overlap of the SYNTHETIC sele
 flags.DEFINE_list("phases", ["model", "synthetic", "equal_slots"], "What to run, in this order after the headline.")
 flags.DEFINE_float("time_budget_s", 180.0, "Skip a phase that would end past this many seconds from the start.")
 flags.DEFINE_bool("smoke", False, "Tiny model and context, to try the script on a CPU.")
+flags.DEFINE_string("replot", None, "Only redraw the plots of this bench_serving.json into --output_dir (no JAX work).")
 
 # The budget assumption, stated in the output. An H200 has 141 GB of HBM. DeepSeek-V3.2 in FP8
 # (~690 GB of weights) at TP8 holds ~86 GB of them per GPU; SGLang's static memory fraction
@@ -239,6 +239,11 @@ def _series_mode(p) -> str:
 
 def draw() -> None:
     """One throughput plot and one misses plot per selection; synthetic ones apart."""
+    try:
+        from hisparse_jax import plots  # matplotlib: the JSON holds everything if it is missing
+    except ImportError as error:
+        log(f"no plots ({error}); the JSON holds every figure")
+        return
     for phases, tag in ((("model", "equal_slots"), "model_selection"), (("synthetic",), "synthetic_selection")):
         points = [dict(p, mode=_series_mode(p)) for p in RESULTS["points"] if p["phase"] in phases]
         if not points:
@@ -270,6 +275,12 @@ def ratios() -> list[dict]:
 
 def main(_):
     os.makedirs(FLAGS.output_dir, exist_ok=True)
+    if FLAGS.replot:  # e.g. on a machine with matplotlib, from a GPU run's JSON
+        with open(FLAGS.replot) as f:
+            RESULTS.update(json.load(f))
+        draw()
+        log("plots written to", FLAGS.output_dir)
+        return
     RESULTS["device"] = str(jax.devices()[0].device_kind)
     RESULTS["jax"] = jax.__version__
     log(f"jax {jax.__version__} on {jax.devices()}")

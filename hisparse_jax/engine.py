@@ -33,7 +33,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.errors import UsageError
@@ -46,6 +45,24 @@ from hisparse_jax.synthetic_fill import SyntheticFill
 from hisparse_jax.synthetic_selection import SyntheticSelector
 from hisparse_jax.telemetry import RequestTrace, StepRecord, summarize
 from models.decoding import DecodeCache, ModelRunner, _padded_length
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def close(self):
+        pass
+
+
+def _bar(enabled: bool, **kwargs):
+    """A tqdm progress bar, or nothing; tqdm is imported only when shown (benchmark machines
+    without it still run the engine)."""
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(leave=False, **kwargs)
 
 
 def _positive_int(name, value, minimum=1):
@@ -195,9 +212,8 @@ class Engine:
         steps: list[StepRecord] = []
         pending = collections.deque(requests)
         in_flight = 0
-        prefill_bar = tqdm(total=len(requests), desc=f"{label} prefill".strip(), unit="req", disable=not progress, leave=False)
-        decode_bar = tqdm(total=sum(r.max_new_tokens for r in requests), desc=f"{label} decode".strip(), unit="tok",
-                          disable=not progress, leave=False)  # fmt: skip
+        prefill_bar = _bar(progress, total=len(requests), desc=f"{label} prefill".strip(), unit="req")
+        decode_bar = _bar(progress, total=sum(r.max_new_tokens for r in requests), desc=f"{label} decode".strip(), unit="tok")
         start = time.perf_counter()
 
         def emit(request: Request, slot: int, token: int, now: float) -> bool:
