@@ -22,6 +22,8 @@ from models.decoding import DecodeCache, cache_shardings
 
 
 def _fill(cache, slot, prompt_len, host_pages, key, *, num_positions: int, implementation):
+    """begin_request, then random rows for positions < prompt_len of every layer (host pool or
+    device KV, as store_prefill_rows puts a prefill's) and random indexer keys. host_pages i32[P]."""
     kv, index_keys = cache.kv, cache.index_keys
     J, _, C, I = index_keys.shape
     rows_like = kv.device_buffer if isinstance(kv, HiSparseState) else kv.kv
@@ -30,8 +32,8 @@ def _fill(cache, slot, prompt_len, host_pages, key, *, num_positions: int, imple
     for layer in range(L):
         rows = jax.random.normal(jax.random.fold_in(key, layer), (num_positions, W), jnp.float32).astype(dtype)  # row[T, W]
         kv = store_prefill_rows(kv, layer, slot, 0, rows, prompt_len, implementation=implementation)
-    positions = jnp.arange(num_positions)
-    target = jnp.where(positions < prompt_len, positions, C)  # past the prompt: dropped
+    positions = jnp.arange(num_positions)  # i32[T]
+    target = jnp.where(positions < prompt_len, positions, C)  # i32[T]; past the prompt: dropped
     for j in range(J):
         keys = jax.random.normal(jax.random.fold_in(key, L + j), (num_positions, I), jnp.float32)  # f32[T, I]
         index_keys = index_keys.at[j, slot, target].set(keys.astype(index_keys.dtype), mode="drop")
