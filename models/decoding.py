@@ -30,7 +30,11 @@ import numpy as np
 from flax import nnx
 
 from configs.model import DSAModelConfig
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from hisparse_jax import memory
+from hisparse_jax import sharding as dp_sharding
 from hisparse_jax.attention_layer import attention_layer, shared_attention_layer
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.host_pages import HostPageAllocator
@@ -41,6 +45,7 @@ from models import rope
 from models.decoder import DSAForCausalLM, DecoderLayer
 from models.indexer import index_scores, select_topk
 from models.loading import load_hf_checkpoint
+from models.parallel import shard_params
 
 DEFAULT_PREFILL_CHUNK = 128
 
@@ -69,17 +74,19 @@ def create_cache(
     num_host_pages: int | None = None,
     page_size: int = 64,
     fill_value: float = 0.0,
+    mesh: Mesh | None = None,
 ) -> DecodeCache:
     """An empty cache for `num_requests` slots of up to `max_context` tokens; KV rows in `dtype`.
 
     hisparse None keeps every row on the device (FullKVState). fill_value initialises unwritten
-    rows (tests pass NaN so any stray read shows).
+    rows (tests pass NaN so any stray read shows). With a mesh every request-indexed array is
+    split over its "dp" axis (hisparse_jax.sharding).
     """
     layout = KVRowLayout.for_dtype(config.kv_lora_rank, config.qk_rope_head_dim, dtype)
     if hisparse is None:
         kv = FullKVState.create(
             num_layers=config.num_layers, num_requests=num_requests, max_context=max_context,
-            layout=layout, fill_value=fill_value,
+            layout=layout, fill_value=fill_value, mesh=mesh,
         )  # fmt: skip
     else:
         if hisparse.top_k != config.index_topk:
@@ -88,18 +95,20 @@ def create_cache(
             )
         kv = HiSparseState.create(
             num_layers=config.num_layers, num_requests=num_requests, max_context=max_context, config=hisparse,
-            layout=layout, num_host_pages=num_host_pages, page_size=page_size, fill_value=fill_value,
+            layout=layout, num_host_pages=num_host_pages, page_size=page_size, fill_value=fill_value, mesh=mesh,
         )  # fmt: skip
+    placement = None if mesh is None else NamedSharding(mesh, P(None, dp_sharding.REQUEST_AXIS))
     index_keys = memory.allocate(
         (len(config.full_indexer_layers), num_requests, max_context, config.index_head_dim),
-        dtype, fill_value, memory.DEVICE,
+        dtype, fill_value, memory.DEVICE, placement=placement,
     )  # fmt: skip
     return DecodeCache(kv, index_keys)
 
 
 def cache_shardings(cache: DecodeCache) -> DecodeCache:
-    """Output shardings of a jit returning the cache: the host pool stays pinned_host."""
-    return DecodeCache(state_shardings(cache.kv), memory.sharding(memory.DEVICE))
+    """Output shardings of a jit returning the cache: every array stays where it is (the host
+    pool in pinned_host memory, mesh-split arrays split the same way)."""
+    return DecodeCache(state_shardings(cache.kv), cache.index_keys.sharding)
 
 
 # ---- decode ---------------------------------------------------------------------------------------
@@ -132,6 +141,7 @@ def decode_step(
     topk: jax.Array | None = None,  # i32[J, R, K]: per full-indexer layer, overrides the indexer's top-k
     *,
     implementation: str | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[DecodeCache, jax.Array, StepTelemetry]:
     """One token for every request slot -> (cache, logits f32[R, V], telemetry). Traceable; see
     ModelRunner for the jitted, cache-donating version.
@@ -147,6 +157,10 @@ def decode_step(
     h = model.embed_tokens(tokens)  # [R, D]
     cos, sin = rope.cos_sin(config.rope, config.qk_rope_head_dim, positions)  # f32[R, P/2]
     attend = dict(latent_dim=config.kv_lora_rank, sm_scale=config.softmax_scale, implementation=implementation)
+    attend_layer, attend_shared = attention_layer, shared_attention_layer
+    if mesh is not None:  # the Pallas kernels run per device, each group on its own requests
+        attend_layer = functools.partial(dp_sharding.attention_layer, mesh)
+        attend_shared = functools.partial(dp_sharding.shared_attention_layer, mesh)
     anchor, hits, misses = None, [], []
     for l, layer in enumerate(model.layers):
         x = layer.input_layernorm(h)
@@ -157,10 +171,10 @@ def decode_step(
             override = None if topk is None else topk[j]
             index_keys, selected = _decode_indexer(layer, x, q_resid, cos, sin, index_keys, j, positions, override)
             shared_next = l + 1 < config.num_layers and config.indexer_types[l + 1] == "shared"
-            kv, out, anchor = attention_layer(kv, l, query, new_row, positions, selected, record_plan=shared_next, **attend)
+            kv, out, anchor = attend_layer(kv, l, query, new_row, positions, selected, record_plan=shared_next, **attend)
             info = anchor
         else:
-            kv, out, info = shared_attention_layer(kv, l, query, new_row, positions, anchor, **attend)
+            kv, out, info = attend_shared(kv, l, query, new_row, positions, anchor, **attend)
         h = layer.finish(h, out)
         hits.append(info.num_hits)
         misses.append(info.num_misses)
@@ -199,43 +213,66 @@ class ModelRunner:
     distinct layer structure (dense/MoE x full/shared indexer) and padded prompt length.
     """
 
-    def __init__(self, model: DSAForCausalLM, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, implementation: str | None = None):
+    def __init__(
+        self,
+        model: DSAForCausalLM,
+        *,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        implementation: str | None = None,
+        parallel: dp_sharding.ParallelConfig | None = None,
+    ):
+        """parallel: tensor / data-parallel-attention layout (hisparse_jax.sharding); None or a
+        single-device config runs on the default device."""
         self.config = model.config
         self.dtype = model.dtype
         self.prefill_chunk = prefill_chunk
         self.implementation = implementation
+        self.parallel = parallel
+        self.mesh = None if parallel is None or parallel.is_single_device else parallel.make_mesh()
         self.graphdef, self.params = nnx.split(model)
-        self._layers = [nnx.split(layer) for layer in model.layers]
+        if self.mesh is not None:
+            self.params = shard_params(self.params, self.mesh, parallel)
+        # Per-layer views of the same parameter arrays, for the layer-by-layer prefill.
+        self._layers = [(nnx.split(layer)[0], self.params["layers"][l]) for l, layer in enumerate(model.layers)]
         self._prefill_layer = jax.jit(_prefill_layer, static_argnames=("graphdef", "chunk"))
         self._embed = jax.jit(lambda params, tokens: nnx.merge(self.graphdef, params).embed_tokens(tokens))
         self._logits = jax.jit(lambda params, h: nnx.merge(self.graphdef, params).logits(h))
         self._cache_fns = {}  # per KV state type: jits whose outputs keep the host pool pinned
 
+    def _put(self, x, dtype, per_request: bool):
+        """Host values in: split over the requests' mesh axis (per_request) or replicated."""
+        x = jnp.asarray(x, dtype)
+        if self.mesh is None:
+            return x
+        spec = P(dp_sharding.REQUEST_AXIS) if per_request else P()
+        return jax.device_put(x, NamedSharding(self.mesh, spec))
+
     def _jitted(self, cache: DecodeCache) -> dict:
         kind = type(cache.kv)
         if kind not in self._cache_fns:
             kv_out = state_shardings(cache.kv)
-            device = memory.sharding(memory.DEVICE)
+            # Logits and telemetry: the default device alone, or wherever the mesh puts them.
+            rest = memory.sharding(memory.DEVICE) if self.mesh is None else None
+            store = functools.partial(store_prefill_rows, implementation=self.implementation)
+            if self.mesh is not None:  # only the owning data-parallel group writes, into its own pool
+                store = functools.partial(dp_sharding.store_prefill_rows, self.mesh, implementation=self.implementation)
             self._cache_fns[kind] = dict(
                 begin=jax.jit(begin_request, donate_argnums=0, out_shardings=kv_out),
-                store=jax.jit(
-                    functools.partial(store_prefill_rows, implementation=self.implementation),
-                    donate_argnums=0,
-                    out_shardings=kv_out,
-                ),
-                store_keys=jax.jit(_store_index_keys, donate_argnums=0),
+                store=jax.jit(store, donate_argnums=0, out_shardings=kv_out),
+                store_keys=jax.jit(_store_index_keys, donate_argnums=0, out_shardings=cache.index_keys.sharding),
                 decode=jax.jit(
-                    functools.partial(decode_step, self.graphdef, implementation=self.implementation),
+                    functools.partial(decode_step, self.graphdef, implementation=self.implementation, mesh=self.mesh),
                     donate_argnums=1,
-                    out_shardings=(cache_shardings(cache), device, device),
+                    out_shardings=(cache_shardings(cache), rest, rest),
                 ),
             )
         return self._cache_fns[kind]
 
     def create_cache(self, *, num_requests: int, max_context: int, hisparse: HiSparseConfig | None = None, **kwargs) -> DecodeCache:
         return create_cache(
-            self.config, num_requests=num_requests, max_context=max_context, dtype=self.dtype, hisparse=hisparse, **kwargs
-        )
+            self.config, num_requests=num_requests, max_context=max_context, dtype=self.dtype, hisparse=hisparse,
+            mesh=self.mesh, **kwargs,
+        )  # fmt: skip
 
     def prefill(self, cache: DecodeCache, request: int, tokens, *, host_pages=None) -> tuple[DecodeCache, jax.Array]:
         """Admits request slot `request` with prompt tokens i32[T] -> (cache, logits f32[V] of the
@@ -247,10 +284,10 @@ class ModelRunner:
             raise ValueError(f"prompt of {T} tokens needs 0 < T < max_context ({C}): decoding appends to it")
         padded, chunk = _padded_length(T, self.prefill_chunk)
         fns = self._jitted(cache)
-        pages = None if host_pages is None else jnp.asarray(host_pages, jnp.int32)
+        pages = None if host_pages is None else self._put(host_pages, jnp.int32, per_request=False)
         kv = fns["begin"](cache.kv, jnp.int32(request), jnp.int32(T), pages)
         index_keys = cache.index_keys
-        h = self._embed(self.params, jnp.asarray(np.pad(tokens, (0, padded - T))))
+        h = self._embed(self.params, self._put(np.pad(tokens, (0, padded - T)), jnp.int32, per_request=False))
         anchor = None
         for l, (graphdef, params) in enumerate(self._layers):
             out = self._prefill_layer(graphdef, params, h, anchor, chunk=chunk)
@@ -265,8 +302,14 @@ class ModelRunner:
     def decode_step(self, cache: DecodeCache, tokens, positions, topk=None) -> tuple[DecodeCache, jax.Array, StepTelemetry]:
         """decode_step jitted with the cache donated: tokens i32[R], positions i32[R] (-1 inactive),
         topk None or i32[J, R, K] (overrides the indexers' selection, see decode_step)."""
+        if topk is not None and self.mesh is not None:
+            topk = jax.device_put(topk, NamedSharding(self.mesh, P(None, dp_sharding.REQUEST_AXIS)))
         return self._jitted(cache)["decode"](
-            self.params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), topk
+            self.params,
+            cache,
+            self._put(tokens, jnp.int32, per_request=True),
+            self._put(positions, jnp.int32, per_request=True),
+            topk,
         )
 
 
@@ -299,9 +342,13 @@ def generate(
     B, T = prompts.shape
     max_context = T + max_new_tokens
     num_host_pages = None
+    # With data-parallel attention each group pages its own block of the pool (page ids local to it).
+    groups = 1 if runner.mesh is None else runner.mesh.shape[dp_sharding.REQUEST_AXIS]
+    if B % groups:
+        raise ValueError(f"{B} prompts do not split over {groups} data-parallel groups")
     if hisparse is not None:
         num_host_pages = B * -(-max_context // page_size)
-        allocator = HostPageAllocator(num_host_pages, page_size)
+        allocators = [HostPageAllocator(num_host_pages // groups, page_size) for _ in range(groups)]
     cache = runner.create_cache(
         num_requests=B, max_context=max_context, hisparse=hisparse, num_host_pages=num_host_pages,
         page_size=page_size, fill_value=fill_value,
@@ -311,6 +358,7 @@ def generate(
     for b in range(B):
         pages = None
         if hisparse is not None:
+            allocator = allocators[b // (B // groups)]
             pages = allocator.page_table_row(allocator.allocate(max_context), cache.kv.host_page_table.shape[1])
         cache, logits = runner.prefill(cache, b, prompts[b], host_pages=pages)
         first.append(logits)
