@@ -14,13 +14,23 @@ Bad flags end with one line on stderr and exit status 2. Intentionally thin: fla
 """
 
 import logging
+import os
 import sys
 
 import jax
 from absl import app, flags
 
 from hisparse_jax.errors import UsageError
-from hisparse_jax.serving import ServingArgs, format_report, parse_int_list, run_checkpoint_decode, run_serving
+from hisparse_jax.serving import (
+    ServingArgs,
+    format_report,
+    parse_int_list,
+    run_checkpoint_decode,
+    run_decode_instance,
+    run_prefill_instance,
+    run_serving,
+)
+from hisparse_jax.telemetry import format_summary
 
 _MODEL = flags.DEFINE_string("model", "tiny", "Built-in model config (random weights): tiny, tiny_glm, deepseek_v32, glm_5_1, glm_5_2.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint directory (config.json + *.safetensors), instead of --model.")
@@ -58,11 +68,33 @@ _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per host page.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "outputs", "Where results.json and the plots go.")
 _IMPLEMENTATION = flags.DEFINE_string("implementation", None, "Kernels: reference or pallas (default: pallas on GPU, reference elsewhere).")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Progress bars on prefill and decode.")
+_TP_SIZE = flags.DEFINE_integer("tp_size", 1, "Tensor parallelism: devices the dense and MoE weights are split over.")
+_DP_SIZE = flags.DEFINE_integer("dp_size", 1, "Data-parallel groups: each owns its requests, buffers and host pool block.")
+_ENABLE_DP_ATTENTION = flags.DEFINE_bool(
+    "enable_dp_attention", False,
+    "SGLang's meaning: attention data-parallel over --dp_size groups within the --tp_size devices"
+    " (otherwise --dp_size replicas of a --tp_size model).",
+)  # fmt: skip
+_DISAGGREGATION_MODE = flags.DEFINE_enum(
+    "disaggregation_mode", "null", ["null", "prefill", "decode"],
+    "PD disaggregation: prefill sends each request's KV to the decode instance at --disaggregation_address;"
+    " decode admits requests as their KV arrives. Start the decode instance first. null: colocated.",
+)  # fmt: skip
+_DISAGGREGATION_ADDRESS = flags.DEFINE_string("disaggregation_address", "127.0.0.1:5757", "The decode instance's host:port.")
+
+
+def _use_host_devices(count: int) -> None:
+    """Lets a CPU-only machine run a --tp_size/--dp_size mesh on `count` host devices. Must run
+    before JAX starts its backends; the flag only affects the CPU platform."""
+    if count > 1:
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
 
 
 def main(argv):
     if len(argv) > 1:
         sys.exit(f"error: unexpected arguments {argv[1:]}")
+    devices = _TP_SIZE.value if _ENABLE_DP_ATTENTION.value else _TP_SIZE.value * _DP_SIZE.value
+    _use_host_devices(devices)
     logging.info("jax %s on %s", jax.__version__, jax.devices())
     try:
         if _PROMPTS.value is not None or _OUTPUT.value is not None:
@@ -83,9 +115,18 @@ def main(argv):
             device_buffer_sweep=parse_int_list("--device_buffer_sweep", _DEVICE_BUFFER_SWEEP.value),
             synthetic_topk_overlap=_SYNTHETIC_TOPK_OVERLAP.value, eos_token_id=_EOS_TOKEN_ID.value,
             page_size=_PAGE_SIZE.value, output_dir=_OUTPUT_DIR.value, implementation=_IMPLEMENTATION.value,
-            progress=_PROGRESS.value,
+            progress=_PROGRESS.value, tp_size=_TP_SIZE.value, dp_size=_DP_SIZE.value,
+            enable_dp_attention=_ENABLE_DP_ATTENTION.value, disaggregation_mode=_DISAGGREGATION_MODE.value,
+            disaggregation_address=_DISAGGREGATION_ADDRESS.value,
         )  # fmt: skip
-        print(format_report(run_serving(args)))
+        if args.disaggregation_mode == "prefill":
+            print(run_prefill_instance(args))
+        elif args.disaggregation_mode == "decode":
+            results = run_decode_instance(args)
+            print(format_summary(f"{results['run']['mode']} decode instance", results["summary"]))
+            print(f"wrote {results['files']['results']}")
+        else:
+            print(format_report(run_serving(args)))
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

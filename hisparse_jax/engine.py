@@ -39,8 +39,8 @@ from hisparse_jax.errors import UsageError
 from hisparse_jax.host_pages import HostPageAllocator
 from hisparse_jax.kv_cache_ops import end_request
 from hisparse_jax.requests import Request
-from hisparse_jax.scheduler import Admission, DeviceFootprint, Scheduler
-from hisparse_jax.state import state_shardings
+from hisparse_jax.scheduler import Admission, DataParallelScheduler, DeviceFootprint, Scheduler
+from hisparse_jax.state import REQUEST_AXIS, state_shardings
 from hisparse_jax.synthetic_fill import SyntheticFill
 from hisparse_jax.synthetic_selection import SyntheticSelector
 from hisparse_jax.telemetry import RequestTrace, StepRecord, summarize
@@ -127,19 +127,33 @@ class Engine:
             num_requests=R, max_context=C, hisparse=hisparse, num_host_pages=config.num_host_pages,
             page_size=config.page_size, fill_value=config.fill_value,
         )  # fmt: skip
-        host_pages = None
+        # Data-parallel attention (runner.mesh): each group schedules its own slots, host pool
+        # block and share of the device budget, as SGLang's DP ranks do.
+        groups = 1 if runner.mesh is None else runner.mesh.shape[REQUEST_AXIS]
+        if R % groups:
+            raise UsageError(f"max_running_requests ({R}) must divide by the {groups} data-parallel groups")
+        budget = None if config.kv_budget_bytes is None else config.kv_budget_bytes // groups
+        self._host_pages = None
         if hisparse is not None:
-            host_pages = HostPageAllocator(self.cache.kv.num_host_pages, config.page_size)
+            pages = self.cache.kv.num_host_pages
+            if pages % groups:
+                raise UsageError(f"{pages} host pages do not split over {groups} data-parallel groups")
+            self._host_pages = [HostPageAllocator(pages // groups, config.page_size) for _ in range(groups)]
             self._pages_per_request = self.cache.kv.host_page_table.shape[1]
-        self.scheduler = Scheduler(
-            num_slots=R, context_length=C, footprint=self.footprint, kv_budget_bytes=config.kv_budget_bytes, host_pages=host_pages
-        )
+        schedulers = [
+            Scheduler(
+                num_slots=R // groups, context_length=C, footprint=self.footprint, kv_budget_bytes=budget,
+                host_pages=None if self._host_pages is None else self._host_pages[g],
+            )  # fmt: skip
+            for g in range(groups)
+        ]
+        self.scheduler = schedulers[0] if groups == 1 else DataParallelScheduler(schedulers)
         self._end = jax.jit(end_request, donate_argnums=0, out_shardings=state_shardings(self.cache.kv))
         self._argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
         self._count = jax.jit(lambda t: (jnp.sum(t.num_hits), jnp.sum(t.num_misses)))
         self.selector = None
         self.use_selection(config.synthetic_topk_overlap)
-        self._fill = SyntheticFill(self.cache, implementation=runner.implementation) if config.synthetic_context else None
+        self._fill = SyntheticFill(self.cache, implementation=runner.implementation, mesh=runner.mesh) if config.synthetic_context else None
         self._fill_key = jax.random.key(config.seed)
 
     def use_selection(self, synthetic_topk_overlap: float | None) -> None:
@@ -159,11 +173,11 @@ class Engine:
     def capacity(self, num_tokens: int) -> int:
         """Requests of `num_tokens` tokens that can run at once: slots, host pool and budget."""
         fits = self.config.max_running_requests
-        if self.config.kv_budget_bytes is not None:
-            fits = min(fits, self.footprint.capacity(self.config.kv_budget_bytes, num_tokens))
-        if self.scheduler.host_pages is not None:
-            pool = self.scheduler.host_pages
-            fits = min(fits, pool.num_pages // pool.pages_for(num_tokens))
+        groups = 1 if self._host_pages is None else len(self._host_pages)
+        if self.config.kv_budget_bytes is not None:  # each data-parallel group has its share
+            fits = min(fits, groups * self.footprint.capacity(self.config.kv_budget_bytes // groups, num_tokens))
+        if self._host_pages is not None:
+            fits = min(fits, sum(pool.num_pages // pool.pages_for(num_tokens) for pool in self._host_pages))
         return fits
 
     # ---- one request --------------------------------------------------------------------------------
@@ -173,9 +187,12 @@ class Engine:
         request, slot = admission.request, admission.slot
         pages = None
         if admission.host_pages is not None:
-            pages = self.scheduler.host_pages.page_table_row(admission.host_pages, self._pages_per_request)
+            pages = self._host_pages[0].page_table_row(admission.host_pages, self._pages_per_request)
         if self.selector is not None:
             self.selector.reset(slot)
+        if request.prefilled is not None:  # PD: a prefill instance computed it; store it as it came
+            self.cache = self.runner.admit_prefilled(self.cache, slot, request.prompt_len, request.prefilled, host_pages=pages)
+            return request.first_token
         if self._fill is not None:
             key = jax.random.fold_in(self._fill_key, request.id)
             self.cache = self._fill(self.cache, slot, request.prompt_len, pages, key)
@@ -189,10 +206,22 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------------------------
 
-    def run(self, requests: list[Request], *, max_concurrency: int | None = None, progress: bool = False, label: str = "") -> RunResult:
-        """Serves `requests` to completion; at most `max_concurrency` in flight (None: all)."""
+    def run(
+        self,
+        requests: list[Request],
+        *,
+        max_concurrency: int | None = None,
+        progress: bool = False,
+        label: str = "",
+        arrivals=None,
+    ) -> RunResult:
+        """Serves `requests` to completion; at most `max_concurrency` in flight (None: all).
+
+        arrivals: a source of requests that arrive while running (PD disaggregation's
+        KVReceiver: `poll(timeout)` -> new requests, `closed` once no more come); the run then
+        also lasts until it is closed and everything it delivered finished."""
         requests = list(requests)
-        if not requests:
+        if not requests and arrivals is None:
             raise UsageError("no requests to run")
         if len({r.id for r in requests}) != len(requests):
             raise UsageError("request ids must be distinct")
@@ -202,7 +231,7 @@ class Engine:
             self.scheduler.check(request)
         if self.selector is not None:
             self.selector.shared_entries = self.selector.compared_entries = 0
-        limit = max_concurrency or len(requests)
+        limit = max_concurrency or (len(requests) if arrivals is None else self.config.max_running_requests)
         R = self.config.max_running_requests
         tokens = np.zeros(R, np.int32)  # i32[R]: next input token per slot
         positions = np.full(R, -1, np.int32)  # i32[R]: its position, -1 inactive
@@ -212,8 +241,11 @@ class Engine:
         steps: list[StepRecord] = []
         pending = collections.deque(requests)
         in_flight = 0
-        prefill_bar = _bar(progress, total=len(requests), desc=f"{label} prefill".strip(), unit="req")
-        decode_bar = _bar(progress, total=sum(r.max_new_tokens for r in requests), desc=f"{label} decode".strip(), unit="tok")
+        prefill_bar = _bar(progress, total=len(requests) if arrivals is None else None, desc=f"{label} prefill".strip(), unit="req")
+        decode_bar = _bar(
+            progress, total=sum(r.max_new_tokens for r in requests) if arrivals is None else None,
+            desc=f"{label} decode".strip(), unit="tok",
+        )  # fmt: skip
         start = time.perf_counter()
 
         def emit(request: Request, slot: int, token: int, now: float) -> bool:
@@ -229,7 +261,13 @@ class Engine:
                 in_flight -= 1
             return done
 
-        while pending or in_flight:
+        while pending or in_flight or (arrivals is not None and not arrivals.closed):
+            if arrivals is not None:
+                idle = not pending and not in_flight  # nothing to do but wait for the next arrival
+                for request in arrivals.poll(timeout=0.05 if idle else None):
+                    self.scheduler.check(request)
+                    requests.append(request)
+                    pending.append(request)
             while pending and in_flight < limit:
                 request = pending.popleft()
                 self.scheduler.submit(request)

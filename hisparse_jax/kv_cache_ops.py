@@ -9,10 +9,9 @@ Shape letters: L layers, R requests, T prompt rows in one call, W row width, P p
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from hisparse_jax.state import FullKVState, HiSparseState
+from hisparse_jax.state import FullKVState
 from pallas_kernels.row_copy import write_rows_to_host
 from pallas_kernels.swap_in import host_slots_of
 

@@ -26,6 +26,10 @@ class Request:
     prompt: np.ndarray  # i32[T]: prompt token ids
     max_new_tokens: int  # generation stops after this many tokens (the first comes from prefill)
     eos_token_id: int | None = None  # generation also stops after this token; None: never
+    # PD disaggregation (hisparse_jax.disaggregation): KV a prefill instance computed
+    # (models.decoding.PrefilledKV) and the first token it sampled; the decode side admits it as is.
+    prefilled: object | None = None
+    first_token: int | None = None
 
     def __post_init__(self):
         if isinstance(self.id, bool) or not isinstance(self.id, (int, np.integer)) or self.id < 0:

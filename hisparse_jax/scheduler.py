@@ -163,3 +163,73 @@ class Scheduler:
         """True when nothing runs and every slot, host page and device byte is back."""
         pages_free = self.host_pages is None or self.host_pages.num_free == self.host_pages.num_pages
         return not self._running and len(self._free_slots) == self.num_slots and pages_free and self.device_bytes_in_use == 0
+
+
+class DataParallelScheduler:
+    """Admission over data-parallel attention groups (hisparse_jax.sharding), SGLang's DP ranks.
+
+    Each group is a Scheduler over its own block of request slots, its own host pool block
+    (page numbers local to it) and its share of the device budget; nothing is shared across
+    groups. One FCFS queue feeds them: the request at its head goes to the least loaded group
+    that has room, and waits while none has. Slots are global: group g owns slots
+    [g * S, (g + 1) * S) for S slots per group.
+    """
+
+    def __init__(self, groups: list[Scheduler]):
+        if len({g.num_slots for g in groups}) != 1:
+            raise ValueError("data-parallel groups must have equal slot counts")
+        self.groups = groups
+        self.slots_per_group = groups[0].num_slots
+        self.context_length = groups[0].context_length
+        self.waiting: collections.deque[Request] = collections.deque()
+
+    @property
+    def num_slots(self) -> int:
+        return self.slots_per_group * len(self.groups)
+
+    @property
+    def num_running(self) -> int:
+        return sum(g.num_running for g in self.groups)
+
+    @property
+    def num_free_slots(self) -> int:
+        return sum(g.num_free_slots for g in self.groups)
+
+    @property
+    def device_bytes_in_use(self) -> int:
+        return sum(g.device_bytes_in_use for g in self.groups)
+
+    def _split(self, slot: int) -> tuple[Scheduler, int]:
+        group, local = divmod(slot, self.slots_per_group)
+        return self.groups[group], local
+
+    def running_request(self, slot: int) -> Request:
+        group, local = self._split(slot)
+        return group.running_request(local)
+
+    def check(self, request: Request) -> None:
+        self.groups[0].check(request)  # the groups are alike: what fits one empty group fits any
+
+    def submit(self, request: Request) -> None:
+        self.check(request)
+        self.waiting.append(request)
+
+    def admit(self) -> list[Admission]:
+        admitted = []
+        while self.waiting:
+            candidates = [i for i, g in enumerate(self.groups) if g._fits(self.waiting[0])]
+            if not candidates:
+                break
+            index = min(candidates, key=lambda i: self.groups[i].num_running)
+            group = self.groups[index]
+            group.submit(self.waiting.popleft())
+            (admission,) = group.admit()
+            admitted.append(admission._replace(slot=index * self.slots_per_group + admission.slot))
+        return admitted
+
+    def finish(self, slot: int) -> Request:
+        group, local = self._split(slot)
+        return group.finish(local)
+
+    def all_free(self) -> bool:
+        return not self.waiting and all(g.all_free() for g in self.groups)

@@ -28,8 +28,11 @@ from hisparse_jax import plots
 from hisparse_jax.config import HiSparseConfig, HiSparseConfigError
 from hisparse_jax.engine import Engine, EngineConfig
 from hisparse_jax.errors import UsageError
+from hisparse_jax import memory
+from hisparse_jax.disaggregation import KVReceiver, KVSender, parse_address
 from hisparse_jax.requests import random_requests
 from hisparse_jax.scheduler import DeviceFootprint
+from hisparse_jax.sharding import ParallelConfig, ParallelConfigError
 from hisparse_jax.telemetry import format_summary, steps_to_json, write_json
 from models.decoder import DSAForCausalLM
 from models.decoding import ModelRunner
@@ -44,6 +47,7 @@ MODELS = {
 }
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 IMPLEMENTATIONS = ("reference", "pallas")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
 def parse_int_list(name: str, text: str) -> tuple[int, ...]:
@@ -98,8 +102,23 @@ class ServingArgs:
     output_dir: str = "outputs"
     implementation: str | None = None
     progress: bool = True
+    tp_size: int = 1  # SGLang's --tp-size, --dp-size, --enable-dp-attention (hisparse_jax.sharding)
+    dp_size: int = 1
+    enable_dp_attention: bool = False
+    disaggregation_mode: str = "null"  # SGLang's --disaggregation-mode: null (colocated), prefill, decode
+    disaggregation_address: str = "127.0.0.1:5757"  # the decode instance's control address
 
     def __post_init__(self):
+        try:
+            ParallelConfig(self.tp_size, self.dp_size, self.enable_dp_attention)
+        except ParallelConfigError as error:
+            raise UsageError(f"--tp_size/--dp_size/--enable_dp_attention: {error}") from None
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise UsageError(f"--disaggregation_mode={self.disaggregation_mode!r}: use one of {DISAGGREGATION_MODES}")
+        if self.disaggregation_mode != "null":
+            parse_address(self.disaggregation_address)
+            if not self.parallel.is_single_device:
+                raise UsageError("--disaggregation_mode runs one device per instance here; drop --tp_size/--dp_size")
         if self.checkpoint is None and self.model not in MODELS:
             raise UsageError(f"--model={self.model!r} is not a built-in config; use one of {sorted(MODELS)} or --checkpoint")
         if self.dtype not in DTYPES:
@@ -120,6 +139,10 @@ class ServingArgs:
             raise UsageError(f"--random_range_ratio must be in [0, 1], got {self.random_range_ratio}")
         if self.synthetic_topk_overlap is not None and not 0.0 <= self.synthetic_topk_overlap <= 1.0:
             raise UsageError(f"--synthetic_topk_overlap must be in [0, 1], got {self.synthetic_topk_overlap}")
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(self.tp_size, self.dp_size, self.enable_dp_attention)
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -162,8 +185,21 @@ def _point(result, concurrency: int) -> dict:
     return summary
 
 
-def run_serving(args: ServingArgs) -> dict:
-    """Runs everything `args` asks for; writes results JSON + plots to args.output_dir."""
+@dataclasses.dataclass
+class _Prepared:
+    """What every run derives from the flags before serving (checked, then the weights built)."""
+
+    config: DSAModelConfig
+    hisparse: HiSparseConfig
+    requests: list
+    context: int
+    model: DSAForCausalLM
+    model_name: str
+    budget: int
+    budget_source: str
+
+
+def _prepare(args: ServingArgs) -> _Prepared:
     config = model_config(args)  # everything is checked before the weights are built
     hisparse = resolve_hisparse_config(args.hisparse_config, config)
     if hisparse.top_k != config.index_topk:
@@ -190,13 +226,23 @@ def run_serving(args: ServingArgs) -> dict:
         # Auto: HiSparse's R slots at full context fit exactly; the baseline gets the same bytes.
         budget = args.max_running_requests * DeviceFootprint.of(config, dtype, hisparse).request_bytes(context)
         budget_source = "auto: max_running_requests HiSparse requests at context_length"
+    return _Prepared(config, hisparse, requests, context, model, model_name, budget, budget_source)
+
+
+def run_serving(args: ServingArgs) -> dict:
+    """Runs everything `args` asks for; writes results JSON + plots to args.output_dir."""
+    prepared = _prepare(args)
+    hisparse, requests, context = prepared.hisparse, prepared.requests, prepared.context
+    model, model_name, budget, budget_source = prepared.model, prepared.model_name, prepared.budget, prepared.budget_source
     concurrencies = args.max_concurrency or (args.max_running_requests,)
-    runner = ModelRunner(model, implementation=args.implementation)
+    runner = ModelRunner(model, implementation=args.implementation, parallel=args.parallel)
     os.makedirs(args.output_dir, exist_ok=True)
     prefix = "" if args.synthetic_topk_overlap is None else f"synthetic_overlap{args.synthetic_topk_overlap:g}_"
     results = dict(
         run=dict(
-            model=model_name, dtype=args.dtype, selection=args.label, devices=[str(d) for d in jax.devices()[:1]],
+            model=model_name, dtype=args.dtype, selection=args.label,
+            devices=[str(d) for d in (runner.mesh.devices.flat if runner.mesh is not None else jax.devices()[:1])],
+            parallel=dataclasses.asdict(args.parallel),
             jax_version=jax.__version__, context_length=context, max_running_requests=args.max_running_requests,
             kv_budget_bytes=budget, kv_budget_source=budget_source, hisparse_config=json.loads(hisparse.to_json()),
             page_size=args.page_size,
@@ -245,6 +291,44 @@ def run_serving(args: ServingArgs) -> dict:
     results["files"] = _plot(results, args.output_dir, prefix, args.label)
     write_json(json_path, results)
     results["files"]["results"] = json_path
+    return results
+
+
+def run_prefill_instance(args: ServingArgs) -> str:
+    """PD prefill instance: prefills the workload and hands every request's KV to the decode
+    instance at --disaggregation_address (hisparse_jax.disaggregation). Returns a report line."""
+    prepared = _prepare(args)
+    runner = ModelRunner(prepared.model, implementation=args.implementation)
+    sender = KVSender(parse_address(args.disaggregation_address))
+    first_token = jax.jit(lambda logits: jnp.argmax(logits).astype(jnp.int32))
+    for request in prepared.requests:
+        kv = runner.prefill_kv(request.prompt)
+        sender.send(request, kv, int(first_token(kv.logits)))
+    sender.close()
+    return f"prefilled and sent {len(prepared.requests)} requests to {args.disaggregation_address}"
+
+
+def run_decode_instance(args: ServingArgs) -> dict:
+    """PD decode instance: admits each request once its KV arrived from the prefill instance,
+    decodes with HiSparse (or the baseline with --noenable_hisparse); writes results.json with
+    every request's tokens."""
+    prepared = _prepare(args)
+    hisparse = prepared.hisparse if args.enable_hisparse else None
+    runner = ModelRunner(prepared.model, implementation=args.implementation)
+    engine = _engine(runner, args, hisparse, prepared.context, prepared.budget)
+    rows_kind = memory.PINNED_HOST if hisparse is not None else memory.DEVICE  # host pool, or device KV
+    receiver = KVReceiver(parse_address(args.disaggregation_address), rows_memory_kind=rows_kind)
+    run = engine.run([], max_concurrency=args.max_concurrency[0] if args.max_concurrency else None,
+                     progress=args.progress, label=f"{engine.config.mode} decode", arrivals=receiver)  # fmt: skip
+    os.makedirs(args.output_dir, exist_ok=True)
+    results = dict(
+        run=dict(model=prepared.model_name, disaggregation_mode="decode", mode=engine.config.mode,
+                 context_length=prepared.context, max_running_requests=args.max_running_requests),  # fmt: skip
+        summary=run.summary,
+        tokens={str(i): t.tolist() for i, t in sorted(run.tokens.items())},
+    )
+    results["files"] = {"results": os.path.join(args.output_dir, "results.json")}
+    write_json(results["files"]["results"], results)
     return results
 
 

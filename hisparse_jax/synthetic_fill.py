@@ -16,12 +16,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from hisparse_jax import sharding as dp_sharding
 from hisparse_jax.kv_cache_ops import begin_request, store_prefill_rows
 from hisparse_jax.state import HiSparseState
 from models.decoding import DecodeCache, cache_shardings
 
 
-def _fill(cache, slot, prompt_len, host_pages, key, *, num_positions: int, implementation):
+def _fill(cache, slot, prompt_len, host_pages, key, *, num_positions: int, implementation, mesh):
     """begin_request, then random rows for positions < prompt_len of every layer (host pool or
     device KV, as store_prefill_rows puts a prefill's) and random indexer keys. host_pages i32[P]."""
     kv, index_keys = cache.kv, cache.index_keys
@@ -31,7 +32,10 @@ def _fill(cache, slot, prompt_len, host_pages, key, *, num_positions: int, imple
     kv = begin_request(kv, slot, prompt_len, host_pages)
     for layer in range(L):
         rows = jax.random.normal(jax.random.fold_in(key, layer), (num_positions, W), jnp.float32).astype(dtype)  # row[T, W]
-        kv = store_prefill_rows(kv, layer, slot, 0, rows, prompt_len, implementation=implementation)
+        if mesh is None:
+            kv = store_prefill_rows(kv, layer, slot, 0, rows, prompt_len, implementation=implementation)
+        else:  # only the slot's data-parallel group writes, into its own pool block
+            kv = dp_sharding.store_prefill_rows(mesh, kv, layer, slot, 0, rows, prompt_len, implementation=implementation)
     positions = jnp.arange(num_positions)  # i32[T]
     target = jnp.where(positions < prompt_len, positions, C)  # i32[T]; past the prompt: dropped
     for j in range(J):
@@ -43,9 +47,9 @@ def _fill(cache, slot, prompt_len, host_pages, key, *, num_positions: int, imple
 class SyntheticFill:
     """fill(cache, slot, prompt_len, host_pages, key) -> cache: jitted once, cache donated."""
 
-    def __init__(self, cache, *, implementation: str | None = None):
+    def __init__(self, cache, *, implementation: str | None = None, mesh=None):
         num_positions = cache.index_keys.shape[2]  # one compiled shape for every prompt length
-        fn = functools.partial(_fill, num_positions=num_positions, implementation=implementation)
+        fn = functools.partial(_fill, num_positions=num_positions, implementation=implementation, mesh=mesh)
         self._fill = jax.jit(fn, donate_argnums=0, out_shardings=cache_shardings(cache))
 
     def __call__(self, cache, slot: int, prompt_len: int, host_pages, key):

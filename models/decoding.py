@@ -59,6 +59,14 @@ class DecodeCache:
     index_keys: jax.Array  # [J, R, C, I]: indexer key of every stored position, per full-indexer layer
 
 
+class PrefilledKV(NamedTuple):
+    """One prompt's KV as a prefill instance hands it to a decode instance (PD disaggregation)."""
+
+    rows: tuple  # row[Tp, W] per layer: KV rows of the (padded) prompt positions
+    index_keys: tuple  # [Tp, I] per full-indexer layer
+    logits: jax.Array  # f32[V]: logits of the last prompt token (they pick the first new token)
+
+
 class StepTelemetry(NamedTuple):
     num_hits: jax.Array  # i32[L, R]: selected rows found on the device, per layer and request
     num_misses: jax.Array  # i32[L, R]: rows copied host -> device (0 without HiSparse)
@@ -274,30 +282,71 @@ class ModelRunner:
             mesh=self.mesh, **kwargs,
         )  # fmt: skip
 
-    def prefill(self, cache: DecodeCache, request: int, tokens, *, host_pages=None) -> tuple[DecodeCache, jax.Array]:
-        """Admits request slot `request` with prompt tokens i32[T] -> (cache, logits f32[V] of the
-        last prompt token). host_pages: i32[P] (HiSparse only), the pages its positions use."""
-        tokens = np.asarray(tokens, np.int32)
+    def _prefill_layers(self, tokens: np.ndarray):
+        """Runs the prompt i32[T] through every layer, yielding (layer, its PrefillOutput) in order:
+        one layer's rows exist at a time. The last output's `hidden` feeds _last_logits."""
         T = tokens.shape[0]
-        C = cache.index_keys.shape[2]
-        if not 0 < T < C:
-            raise ValueError(f"prompt of {T} tokens needs 0 < T < max_context ({C}): decoding appends to it")
         padded, chunk = _padded_length(T, self.prefill_chunk)
-        fns = self._jitted(cache)
-        pages = None if host_pages is None else self._put(host_pages, jnp.int32, per_request=False)
-        kv = fns["begin"](cache.kv, jnp.int32(request), jnp.int32(T), pages)
-        index_keys = cache.index_keys
         h = self._embed(self.params, self._put(np.pad(tokens, (0, padded - T)), jnp.int32, per_request=False))
         anchor = None
         for l, (graphdef, params) in enumerate(self._layers):
             out = self._prefill_layer(graphdef, params, h, anchor, chunk=chunk)
+            yield l, out
+            if out.index_keys is not None:
+                anchor = out.topk
+            h = out.hidden
+
+    def _last_logits(self, last_out, prompt_len: int) -> jax.Array:
+        """f32[V]: logits of the last prompt token, from the last layer's output."""
+        return self._logits(self.params, last_out.hidden[prompt_len - 1])
+
+    def prefill(self, cache: DecodeCache, request: int, tokens, *, host_pages=None) -> tuple[DecodeCache, jax.Array]:
+        """Admits request slot `request` with prompt tokens i32[T] -> (cache, logits f32[V] of the
+        last prompt token). host_pages: i32[P] (HiSparse only), the pages its positions use.
+
+        Each layer's rows go to the host pool (direct-to-host) as soon as that layer is computed."""
+        tokens = np.asarray(tokens, np.int32)
+        T = tokens.shape[0]
+        kv, index_keys, fns = self._begin(cache, request, T, host_pages)
+        for l, out in self._prefill_layers(tokens):
             kv = fns["store"](kv, jnp.int32(l), jnp.int32(request), jnp.int32(0), out.rows, jnp.int32(T))
             if out.index_keys is not None:
                 j = self.config.indexer_cache_index(l)
                 index_keys = fns["store_keys"](index_keys, jnp.int32(j), jnp.int32(request), out.index_keys, jnp.int32(T))
-                anchor = out.topk
-            h = out.hidden
-        return DecodeCache(kv, index_keys), self._logits(self.params, h[T - 1])
+        return DecodeCache(kv, index_keys), self._last_logits(out, T)
+
+    def prefill_kv(self, tokens) -> "PrefilledKV":
+        """A prefill instance's work (PD disaggregation): the prompt's KV rows and indexer keys of
+        every layer and its last logits, with no decode cache. Rows are [Tp, W] per layer, Tp the
+        padded prompt length (rows past the prompt are padding)."""
+        tokens = np.asarray(tokens, np.int32)
+        rows, keys = [], []
+        for _, out in self._prefill_layers(tokens):  # keeps rows and keys, not each layer's activations
+            rows.append(out.rows)
+            if out.index_keys is not None:
+                keys.append(out.index_keys)
+        return PrefilledKV(tuple(rows), tuple(keys), self._last_logits(out, tokens.shape[0]))
+
+    def admit_prefilled(self, cache: DecodeCache, request: int, prompt_len: int, kv: "PrefilledKV", *, host_pages=None) -> DecodeCache:
+        """A decode instance admits a request whose KV a prefill instance computed: its rows go
+        straight to the host pool (HiSparse) or the device KV, its indexer keys to the device."""
+        state, index_keys, fns = self._begin(cache, request, prompt_len, host_pages)
+        T = jnp.int32(prompt_len)
+        for l, rows in enumerate(kv.rows):
+            state = fns["store"](state, jnp.int32(l), jnp.int32(request), jnp.int32(0), rows, T)
+        for j, keys in enumerate(kv.index_keys):
+            index_keys = fns["store_keys"](index_keys, jnp.int32(j), jnp.int32(request), keys, T)
+        return DecodeCache(state, index_keys)
+
+    def _begin(self, cache: DecodeCache, request: int, prompt_len: int, host_pages):
+        """begin_request for a prompt of `prompt_len` tokens -> (kv state, index_keys, jitted fns)."""
+        C = cache.index_keys.shape[2]
+        if not 0 < prompt_len < C:
+            raise ValueError(f"prompt of {prompt_len} tokens needs 0 < T < max_context ({C}): decoding appends to it")
+        fns = self._jitted(cache)
+        pages = None if host_pages is None else self._put(host_pages, jnp.int32, per_request=False)
+        kv = fns["begin"](cache.kv, jnp.int32(request), jnp.int32(prompt_len), pages)
+        return kv, cache.index_keys, fns
 
     def decode_step(self, cache: DecodeCache, tokens, positions, topk=None) -> tuple[DecodeCache, jax.Array, StepTelemetry]:
         """decode_step jitted with the cache donated: tokens i32[R], positions i32[R] (-1 inactive),

@@ -117,6 +117,7 @@ def copy_host_rows_to_buffer(pool, device_buffer, layer, miss_host, miss_device,
 def write_rows_to_host_reference(pool, layer, rows, host_slots):
     # pool: row[L, S, W]; rows: row[N, W]; host_slots: i32[N] (-1 = skip)
     target = jnp.where(host_slots >= 0, host_slots, pool.shape[1])
+    rows = _stage_on_device(rows)  # rows may come from host memory too (a PD transfer)
     updated = _stage_on_device(pool).at[layer, target].set(rows.astype(pool.dtype), mode="drop")
     return jax.device_put(updated, jax.memory.Space.Host)
 

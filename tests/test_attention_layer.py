@@ -5,9 +5,7 @@ the transition at n = B + 1, long paths that hit, miss and evict. Device slots a
 nothing has written are NaN, so a stray read shows up as a NaN in the output.
 """
 
-import functools
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

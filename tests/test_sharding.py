@@ -5,7 +5,6 @@ requests (and their KV, buffers and host pool blocks) split over the "dp" axis a
 over "tp".
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

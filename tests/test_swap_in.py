@@ -211,7 +211,7 @@ def test_many_consecutive_steps_kernel_equals_reference_and_oracle():
 def test_copy_moves_exactly_the_planned_rows(implementation):
     """Missed rows land in their slots; every other slot keeps its (NaN) content."""
     rng = np.random.default_rng(3)
-    L, R, B, S, W, K = 2, 3, 8, 40, 6, 5
+    L, R, B, S, W = 2, 3, 8, 40, 6
     pool = jnp.asarray(rng.standard_normal((L, S, W)), jnp.float32)
     buffer = jnp.full((L, R, B + 1, W), jnp.nan, jnp.float32)
     miss_host = jnp.asarray([[7, 3, -1, -1, -1], [39, 0, 12, 5, 1], [-1] * 5], jnp.int32)
