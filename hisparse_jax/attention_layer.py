@@ -49,6 +49,7 @@ def _copy_misses(state: HiSparseState, layer, plan: SwapInPlan, implementation) 
         plan.miss_device_slots,
         plan.num_misses,
         implementation=implementation,
+        rows_per_program=state.copy_rows_per_program,
     )
 
 

@@ -39,8 +39,9 @@ class HiSparseConfig:
     device_buffer_size: LRU slots per request per sparse layer on the device (B); >= top_k so a
       step's misses always find victims.
     host_to_device_ratio: host pool size relative to the device pool; sizes pinned host memory.
-    swap_in_block_size: SGLang's swap-in thread-block size; here it bounds the rows one copy
-      program moves (see pallas_kernels.swap_in), kept so SGLang settings carry over.
+    swap_in_block_size: SGLang's swap-in thread-block size (threads; one warp copies one row).
+      Here it sets how many rows one copy program moves: the largest power of two <= its warps
+      (960 -> 30 warps -> 16 rows, the launch shape measured in docs/PERFORMANCE.md).
     """
 
     top_k: int = _DEFAULT_TOP_K
@@ -90,6 +91,12 @@ class HiSparseConfig:
         except json.JSONDecodeError as error:
             raise HiSparseConfigError(f"hisparse_config is not valid JSON: {error}") from None
         return cls.from_dict(values)
+
+    @property
+    def copy_rows_per_program(self) -> int:
+        """Rows one program of the host -> device copy kernel moves (pallas_kernels.row_copy)."""
+        warps = max(1, self.swap_in_block_size // 32)
+        return 1 << (warps.bit_length() - 1)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

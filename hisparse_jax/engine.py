@@ -44,7 +44,7 @@ from hisparse_jax.state import REQUEST_AXIS, state_shardings
 from hisparse_jax.synthetic_fill import SyntheticFill
 from hisparse_jax.synthetic_selection import SyntheticSelector
 from hisparse_jax.telemetry import RequestTrace, StepRecord, summarize
-from models.decoding import DecodeCache, ModelRunner, _padded_length
+from models.decoding import DecodeCache, ModelRunner, padded_prompt_length
 
 
 class _NoBar:
@@ -321,6 +321,6 @@ class Engine:
         chunk = self.runner.prefill_chunk
         by_bucket = {}
         for request in requests:
-            by_bucket.setdefault(_padded_length(request.prompt_len, chunk), request)
+            by_bucket.setdefault(padded_prompt_length(request.prompt_len, chunk), request)
         warm = [Request(i, r.prompt, 2) for i, r in enumerate(by_bucket.values())]
         self.run(warm, max_concurrency=1)

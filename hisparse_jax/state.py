@@ -97,6 +97,7 @@ class HiSparseState:
     seq_lens: jax.Array  # i32[R]: tokens stored for each request slot (0 = free slot)
     swap_in_scratch: jax.Array  # i32[R, C]: Pallas swap-in workspace indexed by position
     page_size: int = _field(static=True)  # tokens per host page
+    copy_rows_per_program: int = _field(static=True)  # swap-in copy launch shape (HiSparseConfig)
 
     @property
     def num_layers(self) -> int:
@@ -168,6 +169,7 @@ class HiSparseState:
             seq_lens=place("seq_lens", (R,), jnp.int32, 0),
             swap_in_scratch=place("swap_in_scratch", (R, max_context), jnp.int32, SCRATCH_EMPTY),
             page_size=page_size,
+            copy_rows_per_program=config.copy_rows_per_program,
         )
 
 

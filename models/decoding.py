@@ -205,7 +205,7 @@ def _store_index_keys(index_keys, j, request, keys, prompt_len):
     return index_keys.at[j, request, target].set(keys.astype(index_keys.dtype), mode="drop")
 
 
-def _padded_length(prompt_len: int, chunk: int) -> tuple[int, int]:
+def padded_prompt_length(prompt_len: int, chunk: int) -> tuple[int, int]:
     """(Tp, chunk): prompts pad to a power of two up to `chunk`, then to a multiple of it, so
     prompt lengths share few compiled shapes."""
     if prompt_len <= chunk:
@@ -286,7 +286,7 @@ class ModelRunner:
         """Runs the prompt i32[T] through every layer, yielding (layer, its PrefillOutput) in order:
         one layer's rows exist at a time. The last output's `hidden` feeds _last_logits."""
         T = tokens.shape[0]
-        padded, chunk = _padded_length(T, self.prefill_chunk)
+        padded, chunk = padded_prompt_length(T, self.prefill_chunk)
         h = self._embed(self.params, self._put(np.pad(tokens, (0, padded - T)), jnp.int32, per_request=False))
         anchor = None
         for l, (graphdef, params) in enumerate(self._layers):

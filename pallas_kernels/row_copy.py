@@ -96,15 +96,18 @@ def copy_host_rows_to_buffer_pallas(
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), num_misses, miss_host, miss_device, pool, device_buffer)
 
 
-def copy_host_rows_to_buffer(pool, device_buffer, layer, miss_host, miss_device, num_misses, *, implementation=None):
+def copy_host_rows_to_buffer(
+    pool, device_buffer, layer, miss_host, miss_device, num_misses, *, implementation=None, rows_per_program=DEFAULT_ROWS_PER_PROGRAM
+):
     """device_buffer[layer, r, miss_device[r, i]] = pool[layer, miss_host[r, i]] for i < num_misses[r].
 
     pool: row[L, S, W] (pinned host); device_buffer: row[L, R, B1, W] (updated in place);
     layer: int or i32[]; miss_host, miss_device: i32[R, K]; num_misses: i32[R].
+    rows_per_program: the Pallas launch shape (HiSparseConfig.copy_rows_per_program).
     """
     if common.resolve_implementation(implementation) == "pallas":
         return copy_host_rows_to_buffer_pallas(
-            pool, device_buffer, jnp.asarray(layer, jnp.int32), miss_host, miss_device, num_misses
+            pool, device_buffer, jnp.asarray(layer, jnp.int32), miss_host, miss_device, num_misses, rows=rows_per_program
         )
     return copy_host_rows_to_buffer_reference(pool, device_buffer, layer, miss_host, miss_device, num_misses)
 

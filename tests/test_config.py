@@ -37,3 +37,9 @@ def test_errors_name_the_field(text, field):
 def test_config_is_frozen():
     with pytest.raises(Exception):
         HiSparseConfig().top_k = 1
+
+
+@pytest.mark.parametrize("block, rows", [(960, 16), (1024, 32), (512, 16), (64, 2), (1, 1)])
+def test_swap_in_block_size_sets_copy_rows_per_program(block, rows):
+    # SGLang: one warp per row, so a block of `block` threads copies block // 32 rows at once.
+    assert HiSparseConfig(swap_in_block_size=block).copy_rows_per_program == rows
