@@ -22,12 +22,13 @@ Shape letters: R requests, H heads, K top-k entries, W row width, D latent width
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from hisparse_jax.state import FullKVState, HiSparseState
+from hisparse_jax.state import FullKVState, HiSparseState, jit_donating_state
 from pallas_kernels.row_copy import copy_host_rows_to_buffer, write_rows_to_host
 from pallas_kernels.sparse_mla_attention import sparse_mla_attention
 from pallas_kernels.swap_in import SwapInPlan, host_slots_of, swap_in_plan
@@ -123,6 +124,15 @@ def attention_layer(
         query, state.device_buffer, layer, plan.slots, latent_dim=latent_dim, sm_scale=sm_scale, implementation=implementation
     )
     return state, out, LayerStepInfo(plan.num_hits, plan.num_misses, plan if record_plan else None)
+
+
+def jit_attention_layer(state, *, latent_dim: int, sm_scale: float, implementation: str | None = None):
+    """attention_layer as one jitted function for every layer (the layer index is traced, so
+    it compiles once), the state donated: `step(state, layer, query, new_row, positions, topk)
+    -> (state, out, info)`. A model that runs all its layers in one jitted step (models/decoding.py)
+    calls attention_layer directly instead."""
+    fn = functools.partial(attention_layer, latent_dim=latent_dim, sm_scale=sm_scale, implementation=implementation)
+    return jit_donating_state(fn, state, extra_outputs=2)
 
 
 def shared_attention_layer(

