@@ -64,7 +64,7 @@ def _write_newest(state: HiSparseState, layer, new_row, positions) -> HiSparseSt
     R, B = state.num_requests, state.buffer_size
     requests = jnp.arange(R)
     active = positions >= 0
-    slot = jnp.where(positions < B, positions, B)  # i32[R]
+    slot = jnp.where(positions < B, positions, state.reserved_slot)  # i32[R]
     device_buffer = state.device_buffer.at[layer, requests, jnp.where(active, slot, B + 1)].set(
         new_row.astype(state.device_buffer.dtype), mode="drop"
     )

@@ -187,7 +187,7 @@ class Engine:
         request, slot = admission.request, admission.slot
         pages = None
         if admission.host_pages is not None:
-            pages = self._host_pages[0].page_table_row(admission.host_pages, self._pages_per_request)
+            pages = HostPageAllocator.page_table_row(admission.host_pages, self._pages_per_request)
         if self.selector is not None:
             self.selector.reset(slot)
         if request.prefilled is not None:  # PD: a prefill instance computed it; store it as it came

@@ -49,7 +49,8 @@ class HostPageAllocator:
         self._free.extend(sorted(pages, reverse=True))
         self._free.sort(reverse=True)
 
-    def page_table_row(self, pages, pages_per_request: int) -> np.ndarray:
+    @staticmethod
+    def page_table_row(pages, pages_per_request: int) -> np.ndarray:
         """i32[P]: `pages` then -1, the row begin_request records."""
         if len(pages) > pages_per_request:
             raise ValueError(f"{len(pages)} pages exceed the page table's {pages_per_request} per request")

@@ -318,7 +318,7 @@ def run_decode_instance(args: ServingArgs) -> dict:
     engine = _engine(runner, args, hisparse, prepared.context, prepared.budget)
     rows_kind = memory.PINNED_HOST if hisparse is not None else memory.DEVICE  # host pool, or device KV
     receiver = KVReceiver(parse_address(args.disaggregation_address), rows_memory_kind=rows_kind)
-    run = engine.run([], max_concurrency=args.max_concurrency[0] if args.max_concurrency else None,
+    run = engine.run([], max_concurrency=max(args.max_concurrency) if args.max_concurrency else None,
                      progress=args.progress, label=f"{engine.config.mode} decode", arrivals=receiver)  # fmt: skip
     os.makedirs(args.output_dir, exist_ok=True)
     results = dict(

@@ -23,12 +23,11 @@ Letters: R request slots, H heads, W row width, K top-k entries, T prompt rows.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from hisparse_jax import attention_layer as layers
@@ -100,34 +99,29 @@ def _query_spec() -> P:
     return P(REQUEST_AXIS, HEAD_AXIS, None)
 
 
+def _per_group(fn, mesh: Mesh, state, query, new_row, positions, selection, selection_spec, info_spec):
+    """Runs a layer function fn(state, query, new_row, positions, selection) on every device with
+    its group's requests and its heads (the last argument is the top-k or the anchor's info)."""
+    specs = partition_specs(state)
+    return jax.shard_map(
+        fn,
+        mesh=mesh,
+        in_specs=(specs, _query_spec(), P(REQUEST_AXIS), P(REQUEST_AXIS), selection_spec),
+        out_specs=(specs, _query_spec(), info_spec),
+        check_vma=False,  # the tp devices of a group compute the same state: replicated by construction
+    )(state, query, new_row, positions, selection)
+
+
 def attention_layer(mesh: Mesh, state, layer, query, new_row, positions, topk, *, record_plan=False, **kwargs):
     """hisparse_jax.attention_layer.attention_layer, each data-parallel group on its own requests."""
-    specs = partition_specs(state)
-    body = functools.partial(layers.attention_layer, layer=layer, record_plan=record_plan, **kwargs)
-    return jax.shard_map(
-        lambda state, query, new_row, positions, topk: body(
-            state, query=query, new_row=new_row, positions=positions, topk=topk
-        ),
-        mesh=mesh,
-        in_specs=(specs, _query_spec(), P(REQUEST_AXIS), P(REQUEST_AXIS), P(REQUEST_AXIS)),
-        out_specs=(specs, _query_spec(), _info_specs(record_plan)),
-        check_vma=False,  # the tp devices of a group compute the same state: replicated by construction
-    )(state, query, new_row, positions, topk)
+    fn = lambda st, q, row, pos, sel: layers.attention_layer(st, layer, q, row, pos, sel, record_plan=record_plan, **kwargs)  # noqa: E731
+    return _per_group(fn, mesh, state, query, new_row, positions, topk, P(REQUEST_AXIS), _info_specs(record_plan))
 
 
 def shared_attention_layer(mesh: Mesh, state, layer, query, new_row, positions, anchor, **kwargs):
     """hisparse_jax.attention_layer.shared_attention_layer per data-parallel group."""
-    specs = partition_specs(state)
-    body = functools.partial(layers.shared_attention_layer, layer=layer, **kwargs)
-    return jax.shard_map(
-        lambda state, query, new_row, positions, anchor: body(
-            state, query=query, new_row=new_row, positions=positions, anchor=anchor
-        ),
-        mesh=mesh,
-        in_specs=(specs, _query_spec(), P(REQUEST_AXIS), P(REQUEST_AXIS), _info_specs(True)),
-        out_specs=(specs, _query_spec(), _info_specs(True)),
-        check_vma=False,
-    )(state, query, new_row, positions, anchor)
+    fn = lambda st, q, row, pos, sel: layers.shared_attention_layer(st, layer, q, row, pos, sel, **kwargs)  # noqa: E731
+    return _per_group(fn, mesh, state, query, new_row, positions, anchor, _info_specs(True), _info_specs(True))
 
 
 def store_prefill_rows(mesh: Mesh, state, layer, request, start, rows, prompt_len, **kwargs):
@@ -151,12 +145,3 @@ def store_prefill_rows(mesh: Mesh, state, layer, request, start, rows, prompt_le
         out_specs=specs,
         check_vma=False,
     )(state, request, start, rows, prompt_len)
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
-
-
-def requests_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
-    """Arrays whose first dimension is the request slot (tokens, positions, logits)."""
-    return NamedSharding(mesh, P(REQUEST_AXIS, *([None] * (ndim - 1))))

@@ -22,22 +22,19 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hisparse_jax import memory
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.row_layout import KVRowLayout
+from pallas_kernels.swap_in import SCRATCH_EMPTY  # the swap-in kernel owns its scratch's sentinel
 
 # Mesh axis the request slots are split over (data-parallel attention, hisparse_jax.sharding).
 # Every array with a request dimension is split on it; nothing else is, so no device holds
 # another data-parallel group's KV.
 REQUEST_AXIS = "dp"
 
-# Value of an unused swap-in scratch entry: larger than any top-k index, so marking the first
-# occurrence of a position (the smallest top-k index) works against it.
-SCRATCH_EMPTY = np.iinfo(np.int32).max
 
 
 def _field(static: bool = False):

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 
-SCRATCH_EMPTY = np.iinfo(np.int32).max  # must equal hisparse_jax.state.SCRATCH_EMPTY
+SCRATCH_EMPTY = np.iinfo(np.int32).max  # unused scratch entry: larger than any top-k index
 
 
 class SwapInPlan(NamedTuple):

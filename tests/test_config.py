@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from hisparse_jax.config import HiSparseConfig, HiSparseConfigError
@@ -35,7 +37,7 @@ def test_errors_name_the_field(text, field):
 
 
 def test_config_is_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         HiSparseConfig().top_k = 1
 
 

@@ -8,11 +8,9 @@ import socket
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from hisparse_jax import serving
-from hisparse_jax.engine import Engine
 from models.decoding import ModelRunner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
