@@ -20,8 +20,8 @@ import sys
 import jax
 from absl import app, flags
 
-from hisparse_jax.errors import UsageError
-from hisparse_jax.serving import (
+from hisparse_jax.serving.errors import UsageError
+from hisparse_jax.serving.cli import (
     ServingArgs,
     format_report,
     parse_int_list,
@@ -30,7 +30,7 @@ from hisparse_jax.serving import (
     run_prefill_instance,
     run_serving,
 )
-from hisparse_jax.telemetry import format_summary
+from hisparse_jax.serving.telemetry import format_summary
 
 _MODEL = flags.DEFINE_string("model", "tiny", "Built-in model config (random weights): tiny, tiny_glm, deepseek_v32, glm_5_1, glm_5_2.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint directory (config.json + *.safetensors), instead of --model.")

@@ -8,7 +8,7 @@ top_k 2048, hidden 7168, vocab 129,280) with --num_layers layers (the first dens
 --num_experts routed experts, RANDOM weights.
 Contexts: SYNTHETIC. Each request's 32k-token context is random KV rows written straight into
 the host pool (HiSparse) or the device KV (baseline) and random indexer keys into the device
-key cache (hisparse_jax.synthetic_fill), as a PD decode instance receives finished KV, so
+key cache (hisparse_jax.serving.synthetic_fill), as a PD decode instance receives finished KV, so
 prefill stays out of the timing. Selection: the random-weight indexers' own top-k ("model"),
 then, labelled apart, the SYNTHETIC selector with --synthetic_topk_overlap.
 Budget: both modes get the same device KV budget (rows + indexer keys), by default that of an
@@ -48,10 +48,10 @@ from flax import nnx  # noqa: E402
 
 from configs.model import DSAModelConfig  # noqa: E402
 from hisparse_jax.config import HiSparseConfig  # noqa: E402
-from hisparse_jax.engine import Engine, EngineConfig  # noqa: E402
-from hisparse_jax.requests import Request  # noqa: E402
-from hisparse_jax.scheduler import DeviceFootprint  # noqa: E402
-from hisparse_jax.telemetry import write_json  # noqa: E402
+from hisparse_jax.serving.engine import Engine, EngineConfig  # noqa: E402
+from hisparse_jax.serving.workload import Request  # noqa: E402
+from hisparse_jax.serving.scheduler import DeviceFootprint  # noqa: E402
+from hisparse_jax.serving.telemetry import write_json  # noqa: E402
 from models.decoder import DSAForCausalLM  # noqa: E402
 from models.decoding import ModelRunner  # noqa: E402
 
@@ -240,7 +240,7 @@ def _series_mode(p) -> str:
 def draw() -> None:
     """One throughput plot and one misses plot per selection; synthetic ones apart."""
     try:
-        from hisparse_jax import plots  # matplotlib: the JSON holds everything if it is missing
+        from hisparse_jax.serving import plots  # matplotlib: the JSON holds everything if it is missing
     except ImportError as error:
         log(f"no plots ({error}); the JSON holds every figure")
         return

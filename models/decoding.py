@@ -155,7 +155,7 @@ def decode_step(
     ModelRunner for the jitted, cache-donating version.
 
     topk None: each full layer's indexer selects. Given, it is what the layers attend to instead
-    (the engine's labelled synthetic selection, hisparse_jax.synthetic_selection); entries must
+    (the engine's labelled synthetic selection, hisparse_jax.serving.synthetic_selection); entries must
     be distinct positions in [0, positions[r]], -1 padding.
     """
     model: DSAForCausalLM = nnx.merge(graphdef, params)

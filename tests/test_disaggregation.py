@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from hisparse_jax import serving
+from hisparse_jax.serving import cli as serving
 from models.decoding import ModelRunner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

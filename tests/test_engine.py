@@ -14,13 +14,13 @@ from flax import nnx
 
 from configs.model import DSAModelConfig
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.engine import Engine, EngineConfig
-from hisparse_jax.errors import UsageError
+from hisparse_jax.serving.engine import Engine, EngineConfig
+from hisparse_jax.serving.errors import UsageError
 from hisparse_jax.host_pages import HostPageAllocator
-from hisparse_jax.requests import Request, random_requests
-from hisparse_jax.scheduler import DeviceFootprint, Scheduler
-from hisparse_jax.synthetic_selection import SyntheticSelector
-from hisparse_jax.telemetry import RequestTrace, StepRecord, summarize
+from hisparse_jax.serving.workload import Request, random_requests
+from hisparse_jax.serving.scheduler import DeviceFootprint, Scheduler
+from hisparse_jax.serving.synthetic_selection import SyntheticSelector
+from hisparse_jax.serving.telemetry import RequestTrace, StepRecord, summarize
 from models.decoder import DSAForCausalLM
 from models.decoding import ModelRunner, generate
 

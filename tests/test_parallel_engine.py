@@ -7,9 +7,9 @@ from flax import nnx
 
 from configs.model import DSAModelConfig
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.engine import Engine, EngineConfig
-from hisparse_jax.requests import Request
-from hisparse_jax.scheduler import DataParallelScheduler
+from hisparse_jax.serving.engine import Engine, EngineConfig
+from hisparse_jax.serving.workload import Request
+from hisparse_jax.serving.scheduler import DataParallelScheduler
 from hisparse_jax.sharding import ParallelConfig
 from models.decoder import DSAForCausalLM
 from models.decoding import ModelRunner

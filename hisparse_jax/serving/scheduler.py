@@ -21,9 +21,9 @@ import numpy as np
 
 from configs.model import DSAModelConfig
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.errors import UsageError
+from hisparse_jax.serving.errors import UsageError
 from hisparse_jax.host_pages import HostPageAllocator
-from hisparse_jax.requests import Request
+from hisparse_jax.serving.workload import Request
 from hisparse_jax.row_layout import KVRowLayout
 
 

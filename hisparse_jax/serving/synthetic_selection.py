@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from hisparse_jax.errors import UsageError
+from hisparse_jax.serving.errors import UsageError
 
 
 def _uniform(keys, shape):

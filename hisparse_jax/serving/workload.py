@@ -15,7 +15,7 @@ import dataclasses
 
 import numpy as np
 
-from hisparse_jax.errors import UsageError
+from hisparse_jax.serving.errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Request:
     prompt: np.ndarray  # i32[T]: prompt token ids
     max_new_tokens: int  # generation stops after this many tokens (the first comes from prefill)
     eos_token_id: int | None = None  # generation also stops after this token; None: never
-    # PD disaggregation (hisparse_jax.disaggregation): KV a prefill instance computed
+    # PD disaggregation (hisparse_jax.serving.disaggregation): KV a prefill instance computed
     # (models.decoding.PrefilledKV) and the first token it sampled; the decode side admits it as is.
     prefilled: object | None = None
     first_token: int | None = None

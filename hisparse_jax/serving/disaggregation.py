@@ -14,7 +14,7 @@ Transport, and why:
     go over the standard library's `multiprocessing.connection` (a length-prefixed, authenticated
     socket): JAX offers no message channel between independent programs (jax.distributed's
     key-value store comes with one global multi-process program, which PD is not).
-The decode process admits a request once its KV has arrived (hisparse_jax.engine: `arrivals`).
+The decode process admits a request once its KV has arrived (hisparse_jax.serving.engine: `arrivals`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from jax.experimental import transfer
 from jax.sharding import SingleDeviceSharding
 
 from hisparse_jax import memory
-from hisparse_jax.errors import UsageError
-from hisparse_jax.requests import Request
+from hisparse_jax.serving.errors import UsageError
+from hisparse_jax.serving.workload import Request
 from models.decoding import PrefilledKV
 
 AUTHKEY = b"hisparse-pd"  # loopback and trusted networks only: both processes share it

@@ -24,16 +24,16 @@ import numpy as np
 from flax import nnx
 
 from configs.model import DSAModelConfig, UnsupportedModelError
-from hisparse_jax import plots
+from hisparse_jax.serving import plots
 from hisparse_jax.config import HiSparseConfig, HiSparseConfigError
-from hisparse_jax.engine import Engine, EngineConfig
-from hisparse_jax.errors import UsageError
+from hisparse_jax.serving.engine import Engine, EngineConfig
+from hisparse_jax.serving.errors import UsageError
 from hisparse_jax import memory
-from hisparse_jax.disaggregation import KVReceiver, KVSender, parse_address
-from hisparse_jax.requests import random_requests
-from hisparse_jax.scheduler import DeviceFootprint
+from hisparse_jax.serving.disaggregation import KVReceiver, KVSender, parse_address
+from hisparse_jax.serving.workload import random_requests
+from hisparse_jax.serving.scheduler import DeviceFootprint
 from hisparse_jax.sharding import ParallelConfig, ParallelConfigError
-from hisparse_jax.telemetry import format_summary, steps_to_json, write_json
+from hisparse_jax.serving.telemetry import format_summary, steps_to_json, write_json
 from models.decoder import DSAForCausalLM
 from models.decoding import ModelRunner
 from models.loading import CheckpointError, load_hf_checkpoint
@@ -296,7 +296,7 @@ def run_serving(args: ServingArgs) -> dict:
 
 def run_prefill_instance(args: ServingArgs) -> str:
     """PD prefill instance: prefills the workload and hands every request's KV to the decode
-    instance at --disaggregation_address (hisparse_jax.disaggregation). Returns a report line."""
+    instance at --disaggregation_address (hisparse_jax.serving.disaggregation). Returns a report line."""
     prepared = _prepare(args)
     runner = ModelRunner(prepared.model, implementation=args.implementation)
     sender = KVSender(parse_address(args.disaggregation_address))

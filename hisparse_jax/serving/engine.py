@@ -18,9 +18,9 @@ device and admission counts full-context KV against the same budget. Both attend
 rows with the same kernels, so they produce the same tokens.
 
 Two labelled SYNTHETIC options serve studies and benchmarks, never real-model figures:
-  synthetic_topk_overlap: decode top-k from hisparse_jax.synthetic_selection instead of the
+  synthetic_topk_overlap: decode top-k from hisparse_jax.serving.synthetic_selection instead of the
     indexers (miss rate vs buffer size for a selection as stable as a trained model's);
-  synthetic_context: random KV and indexer keys instead of a prefill (hisparse_jax.synthetic_fill),
+  synthetic_context: random KV and indexer keys instead of a prefill (hisparse_jax.serving.synthetic_fill),
     to keep prefill out of decode timing; TTFT is then not reported.
 """
 
@@ -35,15 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.errors import UsageError
+from hisparse_jax.serving.errors import UsageError
 from hisparse_jax.host_pages import HostPageAllocator
 from hisparse_jax.kv_cache_ops import end_request
-from hisparse_jax.requests import Request
-from hisparse_jax.scheduler import Admission, DataParallelScheduler, DeviceFootprint, Scheduler
+from hisparse_jax.serving.workload import Request
+from hisparse_jax.serving.scheduler import Admission, DataParallelScheduler, DeviceFootprint, Scheduler
 from hisparse_jax.state import REQUEST_AXIS, state_shardings
-from hisparse_jax.synthetic_fill import SyntheticFill
-from hisparse_jax.synthetic_selection import SyntheticSelector
-from hisparse_jax.telemetry import RequestTrace, StepRecord, summarize
+from hisparse_jax.serving.synthetic_fill import SyntheticFill
+from hisparse_jax.serving.synthetic_selection import SyntheticSelector
+from hisparse_jax.serving.telemetry import RequestTrace, StepRecord, summarize
 from models.decoding import DecodeCache, ModelRunner, padded_prompt_length
 
 
