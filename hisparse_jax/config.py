@@ -64,6 +64,7 @@ class HiSparseConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "HiSparseConfig":
+        """The config of a parsed `--hisparse-config` object; unknown fields raise."""
         if not isinstance(values, Mapping):
             raise HiSparseConfigError(
                 f"hisparse_config must be a JSON object, got {type(values).__name__}"
@@ -99,4 +100,5 @@ class HiSparseConfig:
         return 1 << (warps.bit_length() - 1)
 
     def to_json(self) -> str:
+        """The JSON object from_json reads back to an equal config."""
         return json.dumps(dataclasses.asdict(self))

@@ -25,6 +25,8 @@ _PLAIN_LAYOUTS = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 @dataclasses.dataclass(frozen=True)
 class KVRowLayout:
+    """How one token's MLA KV row of one layer is stored: row[W] of `dtype`, W = latent + rope."""
+
     latent_dim: int  # kv_lora_rank: the value part of each row
     rope_dim: int  # qk_rope_head_dim: the rotated key part after the latent
     kind: str = "bfloat16"
@@ -50,14 +52,15 @@ class KVRowLayout:
 
     @property
     def bytes_per_row(self) -> int:
+        """Bytes of one stored row (width x element size)."""
         return self.width * self.dtype.itemsize
 
     def pack(self, latent: jax.Array, rope: jax.Array) -> jax.Array:
-        """latent [..., latent_dim], rope [..., rope_dim] -> rows [..., width] in storage dtype."""
+        """latent [..., latent_dim], rope [..., rope_dim] (any float dtype) -> row[..., width] in `dtype`."""
         return jnp.concatenate([latent, rope], axis=-1).astype(self.dtype)
 
     def unpack(self, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """rows [..., width] -> (latent [..., latent_dim], rope [..., rope_dim]) in f32."""
+        """row[..., width] -> (f32[..., latent_dim], f32[..., rope_dim])."""
         rows = rows.astype(jnp.float32)
         return rows[..., : self.latent_dim], rows[..., self.latent_dim :]
 

@@ -44,6 +44,8 @@ class ParallelConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
+    """SGLang's --tp_size / --dp_size / --enable_dp_attention, validated (see the module docstring)."""
+
     tp_size: int = 1
     dp_size: int = 1
     enable_dp_attention: bool = False
@@ -60,6 +62,7 @@ class ParallelConfig:
 
     @property
     def num_devices(self) -> int:
+        """Devices the configuration uses."""
         return self.tp_size if self.enable_dp_attention else self.tp_size * self.dp_size
 
     @property
@@ -74,9 +77,12 @@ class ParallelConfig:
 
     @property
     def is_single_device(self) -> bool:
+        """Whether no mesh is needed."""
         return self.num_devices == 1
 
     def make_mesh(self, devices=None) -> Mesh:
+        """The ("dp", "tp") = (dp_size, attention_tp) mesh over the first num_devices of `devices`
+        (default jax.devices()); raises ParallelConfigError when too few are given."""
         devices = list(devices if devices is not None else jax.devices())
         if len(devices) < self.num_devices:
             raise ParallelConfigError(
@@ -113,20 +119,26 @@ def _per_group(fn, mesh: Mesh, state, query, new_row, positions, selection, sele
 
 
 def attention_layer(mesh: Mesh, state, layer, query, new_row, positions, topk, *, record_plan=False, **kwargs):
-    """hisparse_jax.attention_layer.attention_layer, each data-parallel group on its own requests."""
+    """hisparse_jax.attention_layer.attention_layer, each data-parallel group on its own requests.
+
+    Same arguments and results as the single-device layer, global shapes (query [R, H, W],
+    new_row row[R, W], positions i32[R], topk i32[R, K] -> (state, f32[R, H, D], LayerStepInfo));
+    R must divide by the "dp" axis size and H by the "tp" axis size.
+    """
     fn = lambda st, q, row, pos, sel: layers.attention_layer(st, layer, q, row, pos, sel, record_plan=record_plan, **kwargs)  # noqa: E731
     return _per_group(fn, mesh, state, query, new_row, positions, topk, P(REQUEST_AXIS), _info_specs(record_plan))
 
 
 def shared_attention_layer(mesh: Mesh, state, layer, query, new_row, positions, anchor, **kwargs):
-    """hisparse_jax.attention_layer.shared_attention_layer per data-parallel group."""
+    """hisparse_jax.attention_layer.shared_attention_layer per data-parallel group (global
+    shapes as there; `anchor` is the LayerStepInfo this module's attention_layer returned)."""
     fn = lambda st, q, row, pos, sel: layers.shared_attention_layer(st, layer, q, row, pos, sel, **kwargs)  # noqa: E731
     return _per_group(fn, mesh, state, query, new_row, positions, anchor, _info_specs(True), _info_specs(True))
 
 
 def store_prefill_rows(mesh: Mesh, state, layer, request, start, rows, prompt_len, **kwargs):
     """kv_cache_ops.store_prefill_rows where `request` is a global slot: only its group writes,
-    into its own pool block, at its local slot index."""
+    into its own pool block, at its local slot index. rows: row[T, W], replicated."""
     specs = partition_specs(state)
     local_requests = state.seq_lens.shape[0] // mesh.shape[REQUEST_AXIS]
 

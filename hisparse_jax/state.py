@@ -1,12 +1,21 @@
-"""HiSparseState: everything HiSparse keeps between decode steps, as one explicit pytree.
+"""The KV state a decode step carries, as one explicit pytree per memory mode.
+
+Two memory modes, one interface (KVState):
+  HiSparseState: the full KV in pinned host memory, a B-slot hot buffer per request on device;
+  FullKVState:   the no-offload baseline, every row on the device.
+The state's class is the one place the mode is chosen: hisparse_jax.attention_layer and
+hisparse_jax.kv_cache_ops call KVState methods and never test the type.
 
 Letters used in shapes throughout the package:
   L  sparse layers          R  request slots (the decode batch, fixed)
   B  device_buffer_size     K  top_k entries per step
   W  stored row width       C  max context (positions per request)
   S  host pool rows         P  pages per request (C / page_size, rounded up)
+  H  attention heads        D  latent (value) width, the first D values of a row
+  T  prompt rows in one store_prefill_rows call
+"row" is the stored row dtype (KVRowLayout.dtype: bf16 or f32); i32 is int32, f32 float32.
 
-Invariants the kernels rely on (tests check them):
+Invariants of a HiSparseState the kernels rely on (tests check them):
   * buffer_tokens[l, r] holds each position at most once; -1 marks an empty slot.
   * lru_slots[l, r] is a permutation of range(B), least recently used first.
   * slot B of device_buffer[l, r] holds the newest token once the context exceeds B.
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +38,9 @@ from jax.sharding import PartitionSpec as P
 from hisparse_jax import memory
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.row_layout import KVRowLayout
+from pallas_kernels.row_copy import copy_host_rows_to_buffer, write_rows_to_host
 from pallas_kernels.swap_in import SCRATCH_EMPTY  # the swap-in kernel owns its scratch's sentinel
+from pallas_kernels.swap_in import SwapInPlan, host_slots_of, swap_in_plan
 
 # Mesh axis the request slots are split over (data-parallel attention, hisparse_jax.sharding).
 # Every array with a request dimension is split on it; nothing else is, so no device holds
@@ -36,8 +48,7 @@ from pallas_kernels.swap_in import SCRATCH_EMPTY  # the swap-in kernel owns its 
 REQUEST_AXIS = "dp"
 
 
-
-def _field(static: bool = False):
+def _field(static: bool = False):  # a dataclass field; static ones are pytree metadata, not leaves
     return dataclasses.field(metadata=dict(static=static))
 
 
@@ -55,7 +66,11 @@ _REQUEST_DIM = {
 
 
 def partition_specs(state):
-    """The PartitionSpec of every array of a HiSparseState / FullKVState over a ("dp", ...) mesh."""
+    """The PartitionSpec of every array of a HiSparseState / FullKVState over a ("dp", ...) mesh.
+
+    Returns a pytree of the state's structure holding a PartitionSpec per array: the request
+    dimension on REQUEST_AXIS, every other dimension replicated.
+    """
 
     def spec(path, leaf):
         name = path[-1].name
@@ -81,10 +96,75 @@ class _Placer:
         return memory.allocate(shape, dtype, fill_value, memory_kind, placement=placement)
 
 
+class KVState(Protocol):
+    """What the layer step and the request lifecycle need of a memory mode.
+
+    HiSparseState and FullKVState implement it. Every method is traceable and returns a new
+    state (the arrays are updated functionally; under a state-donating jit, in place). Users call
+    the functions of hisparse_jax.kv_cache_ops and hisparse_jax.attention_layer, which validate
+    their arguments and run these methods in the order docs/contract.md describes.
+    """
+
+    seq_lens: jax.Array  # i32[R]: tokens stored for each request slot (0 = free slot)
+
+    @property
+    def device_rows(self) -> jax.Array:
+        """row[L, R, S, W]: the device array attention reads rows from (S slots per request)."""
+        ...
+
+    @property
+    def num_layers(self) -> int:
+        """L: sparse layers."""
+        ...
+
+    @property
+    def num_requests(self) -> int:
+        """R: request slots."""
+        ...
+
+    @property
+    def max_context(self) -> int:
+        """C: positions per request."""
+        ...
+
+    def replace(self, **changes) -> "KVState":
+        """A copy with the given fields replaced."""
+        ...
+
+    def begin_request(self, request, prompt_len, host_pages=None) -> "KVState":
+        """Claims slot `request` (i32[]) for a prompt of `prompt_len` (i32[]) tokens; host_pages i32[P]."""
+        ...
+
+    def store_prefill_rows(self, layer, request, start, rows, prompt_len, *, implementation=None) -> "KVState":
+        """Stores rows row[T, W] of positions start .. start + T - 1 below prompt_len."""
+        ...
+
+    def end_request(self, request) -> "KVState":
+        """Frees slot `request` (i32[])."""
+        ...
+
+    def write_newest(self, layer, new_row, positions) -> "KVState":
+        """Puts new_row row[R, W] where attention finds it; positions i32[R], -1 inactive."""
+        ...
+
+    def swap_in(self, layer, topk, lengths, *, implementation=None) -> tuple["KVState", SwapInPlan]:
+        """Makes the rows topk i32[R, K] selects readable in device_rows: returns the state and the
+        plan, whose slots i32[R, K] index device_rows. lengths i32[R]: tokens stored with the newest."""
+        ...
+
+    def replay_swap_in(self, layer, plan: SwapInPlan, *, implementation=None) -> "KVState":
+        """Applies another layer's plan to `layer` (a shared-index layer): copies its misses only."""
+        ...
+
+    def backup_newest(self, layer, new_row, positions, *, implementation=None) -> "KVState":
+        """Makes new_row row[R, W] durable wherever the mode keeps every row (positions i32[R])."""
+        ...
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HiSparseState:
-    """Device hot buffers, LRU bookkeeping, page tables and the pinned host pool."""
+    """KVState with offload: device hot buffers, LRU bookkeeping, page tables, the pinned host pool."""
 
     device_buffer: jax.Array  # row[L, R, B + 1, W]: B LRU-managed slots + slot B for the newest token
     buffer_tokens: jax.Array  # i32[L, R, B]: logical position held by each slot, -1 empty
@@ -97,11 +177,18 @@ class HiSparseState:
     copy_rows_per_program: int = _field(static=True)  # swap-in copy launch shape (HiSparseConfig)
 
     @property
+    def device_rows(self) -> jax.Array:
+        """row[L, R, B + 1, W]: the device buffer, the array attention reads rows from."""
+        return self.device_buffer
+
+    @property
     def num_layers(self) -> int:
+        """L: sparse layers."""
         return self.device_buffer.shape[0]
 
     @property
     def num_requests(self) -> int:
+        """R: request slots."""
         return self.device_buffer.shape[1]
 
     @property
@@ -116,13 +203,16 @@ class HiSparseState:
 
     @property
     def max_context(self) -> int:
+        """C: positions per request."""
         return self.swap_in_scratch.shape[1]
 
     @property
     def num_host_pages(self) -> int:
+        """Pages of the host pool (S / page_size)."""
         return self.host_pool.shape[1] // self.page_size
 
     def replace(self, **changes) -> "HiSparseState":
+        """A copy with the given fields replaced."""
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -142,10 +232,11 @@ class HiSparseState:
     ) -> "HiSparseState":
         """Allocates an empty state; every request slot starts free.
 
-        num_host_pages defaults to host_to_device_ratio x the device pool (R x B tokens), as
-        SGLang sizes its host pool. fill_value initialises rows nothing has written (tests pass
-        NaN so a stray read shows). With a mesh, request slots and host pool rows are split over
-        its "dp" axis (num_requests and num_host_pages must divide by its size).
+        B = config.device_buffer_size; rows in layout.dtype, W = layout.width. num_host_pages
+        defaults to host_to_device_ratio x the device pool (R x B tokens), as SGLang sizes its
+        host pool. fill_value initialises rows nothing has written (tests pass NaN so a stray
+        read shows). With a mesh, request slots and host pool rows are split over its "dp" axis
+        (num_requests and num_host_pages must divide by its size).
         """
         B = config.device_buffer_size
         if num_host_pages is None:
@@ -169,28 +260,133 @@ class HiSparseState:
             copy_rows_per_program=config.copy_rows_per_program,
         )
 
+    # ---- KVState: request lifecycle ----------------------------------------------------------
+
+    def begin_request(self, request, prompt_len, host_pages=None) -> "HiSparseState":
+        """Records host_pages i32[P] in the page table; the buffer starts empty, the LRU in slot order."""
+        if host_pages is None:
+            raise ValueError("begin_request on a HiSparseState needs the request's host_pages")
+        P = self.host_page_table.shape[1]
+        if jnp.shape(host_pages) != (P,):
+            raise ValueError(f"host_pages shape {jnp.shape(host_pages)} must be (P,) = ({P},), the page table's row")
+        return self.replace(
+            host_page_table=self.host_page_table.at[request].set(jnp.asarray(host_pages).astype(jnp.int32)),
+            buffer_tokens=self.buffer_tokens.at[:, request].set(-1),
+            lru_slots=self.lru_slots.at[:, request].set(jnp.arange(self.buffer_size, dtype=jnp.int32)),
+            seq_lens=self.seq_lens.at[request].set(prompt_len),
+        )
+
+    def store_prefill_rows(self, layer, request, start, rows, prompt_len, *, implementation=None) -> "HiSparseState":
+        """Rows row[T, W] go straight to their host slots (the device never holds the whole
+        context); when the prompt fits (prompt_len <= B) they are also preloaded into slots
+        0 .. prompt_len - 1, as the decode fast path expects."""
+        positions = start + jnp.arange(rows.shape[0], dtype=jnp.int32)  # i32[T]
+        valid = positions < prompt_len
+        page_row = self.host_page_table[request]  # i32[P]
+        host_slot = jnp.where(valid, host_slots_of(page_row, positions, self.page_size), -1)
+        pool = write_rows_to_host(self.host_pool, layer, rows, host_slot, implementation=implementation)
+        B = self.buffer_size
+        preload = valid & (prompt_len <= B)
+        target = jnp.where(preload, positions, B + 1)  # dropped unless preloading
+        device_buffer = self.device_buffer.at[layer, request, target].set(rows.astype(self.device_buffer.dtype), mode="drop")
+        buffer_tokens = self.buffer_tokens.at[layer, request, target].set(positions, mode="drop")
+        return self.replace(host_pool=pool, device_buffer=device_buffer, buffer_tokens=buffer_tokens)
+
+    def end_request(self, request) -> "HiSparseState":
+        """Clears the slot's page table row and buffer, and its seq_len."""
+        return self.replace(
+            host_page_table=self.host_page_table.at[request].set(-1),
+            buffer_tokens=self.buffer_tokens.at[:, request].set(-1),
+            seq_lens=self.seq_lens.at[request].set(0),
+        )
+
+    # ---- KVState: one layer's decode step ----------------------------------------------------
+
+    def write_newest(self, layer, new_row, positions) -> "HiSparseState":
+        """new_row row[R, W] goes to slot = position while n <= B (and buffer_tokens records it),
+        else to the reserved slot B; positions i32[R], -1 inactive (nothing written)."""
+        R, B = self.num_requests, self.buffer_size
+        requests = jnp.arange(R)
+        active = positions >= 0
+        slot = jnp.where(positions < B, positions, self.reserved_slot)  # i32[R]
+        device_buffer = self.device_buffer.at[layer, requests, jnp.where(active, slot, B + 1)].set(
+            new_row.astype(self.device_buffer.dtype), mode="drop"
+        )
+        fast = active & (positions < B)
+        buffer_tokens = self.buffer_tokens.at[layer, requests, jnp.where(fast, positions, B)].set(positions, mode="drop")
+        return self.replace(device_buffer=device_buffer, buffer_tokens=buffer_tokens)
+
+    def swap_in(self, layer, topk, lengths, *, implementation=None) -> tuple["HiSparseState", SwapInPlan]:
+        """Plans the swap-in of topk i32[R, K] (updating buffer_tokens, lru_slots) and copies the
+        misses host -> device. lengths i32[R]: tokens stored including the newest, 0 inactive."""
+        plan, buffer_tokens, lru_slots, scratch = swap_in_plan(
+            self.buffer_tokens,
+            self.lru_slots,
+            self.swap_in_scratch,
+            layer,
+            topk,
+            lengths,
+            self.host_page_table,
+            page_size=self.page_size,
+            implementation=implementation,
+        )
+        state = self.replay_swap_in(layer, plan, implementation=implementation)
+        return state.replace(buffer_tokens=buffer_tokens, lru_slots=lru_slots, swap_in_scratch=scratch), plan
+
+    def replay_swap_in(self, layer, plan: SwapInPlan, *, implementation=None) -> "HiSparseState":
+        """Copies the plan's missed rows from the host pool into `layer`'s device buffer."""
+        device_buffer = copy_host_rows_to_buffer(
+            self.host_pool,
+            self.device_buffer,
+            layer,
+            plan.miss_host_slots,
+            plan.miss_device_slots,
+            plan.num_misses,
+            implementation=implementation,
+            rows_per_program=self.copy_rows_per_program,
+        )
+        return self.replace(device_buffer=device_buffer)
+
+    def backup_newest(self, layer, new_row, positions, *, implementation=None) -> "HiSparseState":
+        """Writes new_row row[R, W] to its host slot (eager backup); positions i32[R], -1 skipped."""
+        host_slot = jax.vmap(host_slots_of, in_axes=(0, 0, None))(
+            self.host_page_table, jnp.maximum(positions, 0), self.page_size
+        )  # i32[R]
+        host_slot = jnp.where(positions >= 0, host_slot, -1)
+        pool = write_rows_to_host(self.host_pool, layer, new_row, host_slot, implementation=implementation)
+        return self.replace(host_pool=pool)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class FullKVState:
-    """The no-offload baseline: every token's row on the device, indexed by position."""
+    """KVState without offload (the baseline): every token's row on the device, indexed by position."""
 
     kv: jax.Array  # row[L, R, C, W]: row of position p of request r at kv[l, r, p]
     seq_lens: jax.Array  # i32[R]: tokens stored for each request slot
 
     @property
+    def device_rows(self) -> jax.Array:
+        """row[L, R, C, W]: the whole KV, the array attention reads rows from (slot = position)."""
+        return self.kv
+
+    @property
     def num_layers(self) -> int:
+        """L: sparse layers."""
         return self.kv.shape[0]
 
     @property
     def num_requests(self) -> int:
+        """R: request slots."""
         return self.kv.shape[1]
 
     @property
     def max_context(self) -> int:
+        """C: positions per request."""
         return self.kv.shape[2]
 
     def replace(self, **changes) -> "FullKVState":
+        """A copy with the given fields replaced."""
         return dataclasses.replace(self, **changes)
 
     @classmethod
@@ -205,19 +401,74 @@ class FullKVState:
         device: jax.Device | None = None,
         mesh: Mesh | None = None,
     ) -> "FullKVState":
+        """Allocates an empty state: kv row[L, R, C, W] filled with fill_value, every slot free.
+
+        With a mesh, request slots are split over its "dp" axis."""
         place = _Placer(device, mesh)
         return cls(
             kv=place("kv", (num_layers, num_requests, max_context, layout.width), layout.dtype, fill_value),
             seq_lens=place("seq_lens", (num_requests,), jnp.int32, 0),
         )
 
+    # ---- KVState: request lifecycle ----------------------------------------------------------
+
+    def begin_request(self, request, prompt_len, host_pages=None) -> "FullKVState":
+        """Sets the slot's seq_len; host_pages is ignored (no host pool)."""
+        return self.replace(seq_lens=self.seq_lens.at[request].set(prompt_len))
+
+    def store_prefill_rows(self, layer, request, start, rows, prompt_len, *, implementation=None) -> "FullKVState":
+        """Rows row[T, W] go to kv[layer, request, position] for positions below prompt_len."""
+        positions = start + jnp.arange(rows.shape[0], dtype=jnp.int32)  # i32[T]
+        target = jnp.where(positions < prompt_len, positions, self.max_context)
+        return self.replace(kv=self.kv.at[layer, request, target].set(rows.astype(self.kv.dtype), mode="drop"))
+
+    def end_request(self, request) -> "FullKVState":
+        """Clears the slot's seq_len (its rows are overwritten by the next request)."""
+        return self.replace(seq_lens=self.seq_lens.at[request].set(0))
+
+    # ---- KVState: one layer's decode step ----------------------------------------------------
+
+    def write_newest(self, layer, new_row, positions) -> "FullKVState":
+        """new_row row[R, W] goes to kv[layer, r, positions[r]]; -1 (inactive) writes nothing."""
+        kv = self.kv.at[layer, jnp.arange(self.num_requests), jnp.where(positions >= 0, positions, self.max_context)].set(
+            new_row.astype(self.kv.dtype), mode="drop"
+        )
+        return self.replace(kv=kv)
+
+    def swap_in(self, layer, topk, lengths, *, implementation=None) -> tuple["FullKVState", SwapInPlan]:
+        """Nothing to move: each selected position is its own slot, a hit; no misses."""
+        plan = SwapInPlan(
+            slots=topk,
+            num_hits=_distinct_valid(topk),
+            num_misses=jnp.zeros((topk.shape[0],), jnp.int32),
+            miss_host_slots=jnp.full_like(topk, -1),
+            miss_device_slots=jnp.full_like(topk, -1),
+        )
+        return self, plan
+
+    def replay_swap_in(self, layer, plan: SwapInPlan, *, implementation=None) -> "FullKVState":
+        """Nothing to copy: every row is already on the device."""
+        return self
+
+    def backup_newest(self, layer, new_row, positions, *, implementation=None) -> "FullKVState":
+        """Nothing to back up: write_newest stored the row where it stays."""
+        return self
+
+
+def _distinct_valid(topk: jax.Array) -> jax.Array:
+    """i32[R, K] -> i32[R]: distinct non-negative entries of each row."""
+    ordered = jnp.sort(topk, axis=1)
+    fresh = jnp.concatenate([jnp.ones_like(ordered[:, :1], bool), ordered[:, 1:] != ordered[:, :-1]], axis=1)
+    return jnp.sum(fresh & (ordered >= 0), axis=1, dtype=jnp.int32)
+
 
 def state_shardings(state):
     """Output shardings for a jit that returns `state`: each array stays where it is.
 
     XLA refuses a kernel's in-place write to pinned_host memory unless the jit's output is
-    declared pinned_host too (GPU_FACTS), so every jit returning a state passes these; they
-    also keep a mesh-split state split the same way.
+    declared pinned_host too, so every jit returning a state passes these; they also keep a
+    mesh-split state split the same way. Returns a pytree of the state's structure holding
+    each array's sharding.
     """
     return jax.tree.map(lambda leaf: leaf.sharding, state)
 

@@ -6,6 +6,9 @@ Each public op takes `implementation=`:
   None:        "pallas" on GPU, "reference" elsewhere (interpret mode is for testing, not speed).
 A named implementation runs or raises; it never silently falls back.
 
+Every public op checks the static shapes it depends on and raises a ValueError naming both
+values (check_rank, check_equal, check_layer_index); traced values cannot be checked.
+
 The Triton lowering and the CPU interpreter disagree in two places this module hides:
   * a masked-off lane of a gather/scatter must not touch memory. On GPU the mask does that; the
     interpreter lowers to XLA gather/scatter, which clamps a negative index and would let a
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -26,6 +30,7 @@ IMPLEMENTATIONS = ("reference", "pallas")
 
 
 def resolve_implementation(implementation: str | None) -> str:
+    """The implementation an `implementation=` argument selects: "reference" or "pallas"."""
     if implementation is None:
         return "pallas" if on_gpu() else "reference"
     if implementation not in IMPLEMENTATIONS:
@@ -34,6 +39,7 @@ def resolve_implementation(implementation: str | None) -> str:
 
 
 def on_gpu() -> bool:
+    """Whether JAX's default backend is a GPU."""
     return jax.default_backend() == "gpu"
 
 
@@ -43,6 +49,7 @@ def interpret_mode() -> bool:
 
 
 def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -61,17 +68,20 @@ def power_of_2_pieces(width: int) -> list[tuple[int, int]]:
 
 
 def safe_index(index: jax.Array, mask: jax.Array, size: int) -> jax.Array:
-    """`index` where `mask`, else one past the end (see the module docstring)."""
+    """`index` where `mask`, else one past the end (see the module docstring).
+
+    index: i32[N]; mask: bool[N] -> i32[N]."""
     return jnp.where(mask, index, size)
 
 
 def gather(ref, indices: tuple, mask: jax.Array, other) -> jax.Array:
-    """Masked load of ref[indices]; masked-off lanes read nothing and yield `other`."""
+    """Masked load of ref[indices] (shaped like mask); masked-off lanes read nothing and yield `other`."""
     return plgpu.load(ref.at[indices], mask=mask, other=other)
 
 
 def scatter(ref, indices: tuple, value: jax.Array, mask: jax.Array) -> None:
-    """Masked store to ref[indices]; indices of masked-off lanes must come from safe_index."""
+    """Masked store of `value` (shaped like mask) to ref[indices]; indices of masked-off lanes
+    must come from safe_index."""
     plgpu.store(ref.at[indices], value, mask=mask)
 
 
@@ -101,3 +111,30 @@ def row_block(leading: tuple, rows: jax.Array, offset: int, size: int, interpret
         columns = offset + jnp.arange(size, dtype=jnp.int32)
         return (*leading, rows[:, None], columns[None, :])
     return (*leading, rows, pl.ds(offset, size))
+
+
+# --------------------------------------------------------------------------------------------
+# Static shape checks (trace time; a ValueError names both values)
+# --------------------------------------------------------------------------------------------
+
+
+def check_rank(name: str, array, rank: int, letters: str) -> None:
+    """Raises unless `array` has `rank` dimensions; `letters` names them, e.g. "[R, K]"."""
+    shape = tuple(array.shape) if hasattr(array, "shape") else np.shape(array)
+    if len(shape) != rank:
+        raise ValueError(f"{name} must be {letters} ({rank} dimensions), got shape {shape}")
+
+
+def check_equal(name: str, value, other_name: str, other) -> None:
+    """Raises unless value == other: f"{name} ({value}) must equal {other_name} ({other})"."""
+    if value != other:
+        raise ValueError(f"{name} ({value}) must equal {other_name} ({other})")
+
+
+def check_layer_index(layer, num_layers: int) -> None:
+    """Raises when a static layer index (Python or NumPy int) is outside [0, num_layers).
+
+    A traced index (i32[]) cannot be checked: an out-of-range one is clamped or dropped by XLA.
+    """
+    if isinstance(layer, (int, np.integer)) and not 0 <= layer < num_layers:
+        raise ValueError(f"layer ({layer}) must be in [0, num_layers ({num_layers}))")

@@ -22,8 +22,33 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
+from pallas_kernels.common import check_equal, check_layer_index, check_rank
 
 DEFAULT_ROWS_PER_PROGRAM = 16
+
+
+def _check_copy_inputs(pool, device_buffer, layer, miss_host, miss_device, num_misses) -> None:
+    """Static shape checks of the host -> device copy."""
+    check_rank("pool", pool, 3, "[L, S, W]")
+    check_rank("device_buffer", device_buffer, 4, "[L, R, B1, W]")
+    check_rank("miss_host", miss_host, 2, "[R, K]")
+    check_equal("device_buffer row width", device_buffer.shape[3], "pool row width (W)", pool.shape[2])
+    check_equal("device_buffer layers", device_buffer.shape[0], "pool layers (L)", pool.shape[0])
+    check_equal("miss_device shape", miss_device.shape, "miss_host shape", miss_host.shape)
+    check_equal("miss_host batch", miss_host.shape[0], "device_buffer request slots (R)", device_buffer.shape[1])
+    check_rank("num_misses", num_misses, 1, "[R]")
+    check_equal("num_misses batch", num_misses.shape[0], "miss_host batch (R)", miss_host.shape[0])
+    check_layer_index(layer, pool.shape[0])
+
+
+def _check_write_inputs(pool, layer, rows, host_slots) -> None:
+    """Static shape checks of the device -> host write."""
+    check_rank("pool", pool, 3, "[L, S, W]")
+    check_rank("rows", rows, 2, "[N, W]")
+    check_equal("rows width", rows.shape[1], "pool row width (W)", pool.shape[2])
+    check_rank("host_slots", host_slots, 1, "[N]")
+    check_equal("host_slots length", host_slots.shape[0], "rows (N)", rows.shape[0])
+    check_layer_index(layer, pool.shape[0])
 
 
 def _stage_on_device(x: jax.Array) -> jax.Array:
@@ -37,7 +62,9 @@ def _stage_on_device(x: jax.Array) -> jax.Array:
 
 
 def copy_host_rows_to_buffer_reference(pool, device_buffer, layer, miss_host, miss_device, num_misses):
+    """The copy in jnp (the pool staged on the device first); shapes as copy_host_rows_to_buffer."""
     # pool: row[L, S, W]; device_buffer: row[L, R, B1, W]; miss_*: i32[R, K]; num_misses: i32[R]
+    _check_copy_inputs(pool, device_buffer, layer, miss_host, miss_device, num_misses)
     R, K = miss_host.shape
     take = jnp.arange(K)[None, :] < num_misses[:, None]  # bool[R, K]
     rows = _stage_on_device(pool)[layer][jnp.where(take, miss_host, 0)]  # row[R, K, W]
@@ -82,6 +109,10 @@ def _copy_host_rows_kernel(
 def copy_host_rows_to_buffer_pallas(
     pool, device_buffer, layer, miss_host, miss_device, num_misses, *, rows=DEFAULT_ROWS_PER_PROGRAM, num_warps=4
 ):
+    """The Pallas copy, reading the pinned pool in place; shapes as copy_host_rows_to_buffer.
+
+    One program per (request, `rows` plan entries); returns the updated row[L, R, B1, W]."""
+    _check_copy_inputs(pool, device_buffer, layer, miss_host, miss_device, num_misses)
     R, K = miss_host.shape
     return pl.pallas_call(
         functools.partial(_copy_host_rows_kernel, rows=rows, interpret=common.interpret_mode()),
@@ -104,7 +135,9 @@ def copy_host_rows_to_buffer(
     pool: row[L, S, W] (pinned host); device_buffer: row[L, R, B1, W] (updated in place);
     layer: int or i32[]; miss_host, miss_device: i32[R, K]; num_misses: i32[R].
     rows_per_program: the Pallas launch shape (HiSparseConfig.copy_rows_per_program).
+    Returns the updated device_buffer; raises ValueError on inconsistent static shapes.
     """
+    _check_copy_inputs(pool, device_buffer, layer, miss_host, miss_device, num_misses)
     if common.resolve_implementation(implementation) == "pallas":
         return copy_host_rows_to_buffer_pallas(
             pool, device_buffer, jnp.asarray(layer, jnp.int32), miss_host, miss_device, num_misses, rows=rows_per_program
@@ -118,7 +151,9 @@ def copy_host_rows_to_buffer(
 
 
 def write_rows_to_host_reference(pool, layer, rows, host_slots):
+    """The write in jnp (staged through the device); shapes as write_rows_to_host."""
     # pool: row[L, S, W]; rows: row[N, W]; host_slots: i32[N] (-1 = skip)
+    _check_write_inputs(pool, layer, rows, host_slots)
     target = jnp.where(host_slots >= 0, host_slots, pool.shape[1])
     rows = _stage_on_device(rows)  # rows may come from host memory too (a PD transfer)
     updated = _stage_on_device(pool).at[layer, target].set(rows.astype(pool.dtype), mode="drop")
@@ -150,6 +185,8 @@ def _write_rows_to_host_kernel(
 
 
 def write_rows_to_host_pallas(pool, layer, rows, host_slots, *, rows_per_program=DEFAULT_ROWS_PER_PROGRAM):
+    """The Pallas write into the pinned pool in place; shapes as write_rows_to_host."""
+    _check_write_inputs(pool, layer, rows, host_slots)
     N = rows.shape[0]
     return pl.pallas_call(
         functools.partial(_write_rows_to_host_kernel, rows=rows_per_program, interpret=common.interpret_mode()),
@@ -168,8 +205,10 @@ def write_rows_to_host(pool, layer, rows, host_slots, *, implementation=None):
     """pool[layer, host_slots[i]] = rows[i] where host_slots[i] >= 0, in place (pool is donated).
 
     pool: row[L, S, W] (pinned host); layer: int or i32[]; rows: row[N, W]; host_slots: i32[N].
-    A jit returning the pool must declare it pinned_host (hisparse_jax.state.state_shardings).
+    Returns the updated pool. A jit returning the pool must declare it pinned_host
+    (hisparse_jax.state.state_shardings). Raises ValueError on inconsistent static shapes.
     """
+    _check_write_inputs(pool, layer, rows, host_slots)
     if common.resolve_implementation(implementation) == "pallas":
         return write_rows_to_host_pallas(pool, jnp.asarray(layer, jnp.int32), rows, host_slots)
     return write_rows_to_host_reference(pool, layer, rows, host_slots)

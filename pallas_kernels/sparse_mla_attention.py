@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
+from pallas_kernels.common import check_equal, check_layer_index, check_rank
 
 _MASKED = -float("inf")
 _RUNNING_MAX_START = -1e30  # finite, so a fully masked block gives exp(-inf) = 0, not NaN
@@ -30,8 +31,24 @@ def _dot_precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
+def _check_inputs(query, kv, layer, slots, latent_dim) -> None:
+    """Static shape checks shared by the reference and the kernel."""
+    check_rank("query", query, 3, "[R, H, W]")
+    check_rank("kv", kv, 4, "[L, R, S, W]")
+    check_rank("slots", slots, 2, "[R, K]")
+    R, W = query.shape[0], kv.shape[3]
+    check_equal("kv request slots", kv.shape[1], "query batch (R)", R)
+    check_equal("slots batch", slots.shape[0], "query batch (R)", R)
+    check_equal("query width", query.shape[2], "kv row width (W)", W)
+    if not 0 < latent_dim <= W:
+        raise ValueError(f"latent_dim ({latent_dim}) must be in [1, row width ({W})]")
+    check_layer_index(layer, kv.shape[0])
+
+
 def sparse_mla_attention_reference(query, kv, layer, slots, *, latent_dim, sm_scale):
-    """query: [R, H, W]; kv: row[L, R, S, W]; slots: i32[R, K] -> f32[R, H, D]."""
+    """The formula in jnp, f32 throughout: query [R, H, W]; kv row[L, R, S, W]; layer int or
+    i32[]; slots i32[R, K] (-1 masked) -> f32[R, H, D] with D = latent_dim."""
+    _check_inputs(query, kv, layer, slots, latent_dim)
     R = query.shape[0]
     valid = slots >= 0  # bool[R, K]
     rows = kv[layer][jnp.arange(R)[:, None], jnp.where(valid, slots, 0)]  # row[R, K, W]
@@ -119,7 +136,9 @@ def _attention_kernel(
 
 
 def default_launch_shape(num_requests: int, num_heads: int) -> dict:
-    """Measured on the H200 (docs/PERFORMANCE.md, top_k 2048, bf16): 64-head blocks win once the
+    """The kernel's launch shape (block_h, block_k, num_warps, num_stages) for R x H heads.
+
+    Measured on the H200 (docs/PERFORMANCE.md, top_k 2048, bf16): 64-head blocks win once the
     grid is large (batch 128 x 128 heads: 406 us vs 614 us for 32-head blocks), 32-head blocks
     with 128-row key blocks when it is small (batch 16 x 128 heads: 105 us vs 207 us)."""
     if num_requests * num_heads >= 8192:
@@ -128,6 +147,9 @@ def default_launch_shape(num_requests: int, num_heads: int) -> dict:
 
 
 def sparse_mla_attention_pallas(query, kv, layer, slots, *, latent_dim, sm_scale, block_h=None, block_k=None, num_warps=None, num_stages=None):
+    """The Pallas kernel: shapes as sparse_mla_attention_reference; the launch shape defaults
+    to default_launch_shape(R, H). One program per (request, head block)."""
+    _check_inputs(query, kv, layer, slots, latent_dim)
     R, H, _ = query.shape
     shape = default_launch_shape(R, H)
     block_h = block_h or shape["block_h"]
@@ -161,8 +183,10 @@ def sparse_mla_attention(query, kv, layer, slots, *, latent_dim, sm_scale, imple
     """Sparse MLA decode attention; see the module docstring.
 
     query: [R, H, W] (latent-absorbed q then rope q); kv: row[L, R, S, W]; layer: int or i32[];
-    slots: i32[R, K] (-1 masked) -> f32[R, H, latent_dim].
+    slots: i32[R, K] (-1 masked) -> f32[R, H, D] with D = latent_dim. Raises ValueError on
+    inconsistent static shapes.
     """
+    _check_inputs(query, kv, layer, slots, latent_dim)
     if common.resolve_implementation(implementation) == "pallas":
         return sparse_mla_attention_pallas(
             query, kv, jnp.asarray(layer, jnp.int32), slots, latent_dim=latent_dim, sm_scale=sm_scale, **tuning

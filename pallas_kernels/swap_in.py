@@ -1,6 +1,6 @@
 """Swap-in planning: map each selected position to a device slot, LRU-evicting on misses.
 
-The contract (HISPARSE.md section 4), per request with n stored tokens (newest at n - 1) and
+The contract (docs/contract.md), per request with n stored tokens (newest at n - 1) and
 B = device_buffer_size:
   * fast path n <= B: slot j holds token j, so the slot of a position is the position; nothing
     is copied and the LRU order does not change.
@@ -17,6 +17,7 @@ B = device_buffer_size:
     token included), num_misses = distinct positions copied (= rows the copy moves).
   * the miss plan: the i-th miss's host slot and device slot, -1 past num_misses. The copy
     kernel (pallas_kernels.row_copy) moves exactly these rows; shared-index layers replay it.
+  * B >= K, so a step's misses always find victims (checked: ValueError otherwise).
 
 Shape letters: R requests, K top-k entries, B buffer slots, L layers, C max context,
 P host pages per request.
@@ -33,11 +34,14 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
+from pallas_kernels.common import check_equal, check_layer_index, check_rank
 
 SCRATCH_EMPTY = np.iinfo(np.int32).max  # unused scratch entry: larger than any top-k index
 
 
 class SwapInPlan(NamedTuple):
+    """One layer's swap-in decisions for every request."""
+
     slots: jax.Array  # i32[R, K]: device slot of every top-k entry, -1 for padding
     num_hits: jax.Array  # i32[R]: distinct positions already on the device
     num_misses: jax.Array  # i32[R]: distinct positions to copy from the host
@@ -46,10 +50,32 @@ class SwapInPlan(NamedTuple):
 
 
 def host_slots_of(page_table_row: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
-    """Host pool slot of each position: its page's host page, plus the offset in the page."""
-    # page_table_row: i32[P]; positions: i32[...] (non-negative where used)
+    """Host pool slot of each position: its page's host page, plus the offset in the page.
+
+    page_table_row: i32[P]; positions: i32[...] (non-negative where used) -> i32[...].
+    """
     page = jnp.take(page_table_row, positions // page_size, mode="clip")
     return page * page_size + positions % page_size
+
+
+def _check_plan_inputs(buffer_tokens, lru_slots, topk, lengths, page_table, *, stacked, scratch=None, layer=None):
+    """Static shape checks of the plan's inputs; the tables are [L, R, B] if stacked, else [R, B]."""
+    check_rank("topk", topk, 2, "[R, K]")
+    check_rank("buffer_tokens", buffer_tokens, 3 if stacked else 2, "[L, R, B]" if stacked else "[R, B]")
+    check_equal("lru_slots shape", lru_slots.shape, "buffer_tokens shape", buffer_tokens.shape)
+    check_rank("lengths", lengths, 1, "[R]")
+    check_rank("page_table", page_table, 2, "[R, P]")
+    (R, K), B = topk.shape, buffer_tokens.shape[-1]
+    check_equal("topk batch", R, "buffer_tokens request slots (R)", buffer_tokens.shape[-2])
+    check_equal("lengths batch", lengths.shape[0], "topk batch (R)", R)
+    check_equal("page_table batch", page_table.shape[0], "topk batch (R)", R)
+    if K > B:
+        raise ValueError(f"top_k ({K}) must be <= device_buffer_size ({B}): a step's misses need that many evictable slots")
+    if scratch is not None:
+        check_rank("scratch", scratch, 2, "[R, C]")
+        check_equal("scratch batch", scratch.shape[0], "topk batch (R)", R)
+    if layer is not None:
+        check_layer_index(layer, buffer_tokens.shape[0])
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,9 +156,10 @@ def _plan_one_request(buffer_tokens, lru_slots, topk, length, page_table_row, *,
 def swap_in_plan_reference(buffer_tokens, lru_slots, topk, lengths, page_table, *, page_size):
     """The contract in jnp, for one layer: returns (plan, new buffer_tokens, new lru_slots).
 
-    buffer_tokens, lru_slots: i32[R, B]; topk: i32[R, K]; lengths: i32[R] (n, newest at n - 1;
-    0 for an inactive slot); page_table: i32[R, P].
+    buffer_tokens, lru_slots: i32[R, B]; topk: i32[R, K] with K <= B; lengths: i32[R] (n,
+    newest at n - 1; 0 for an inactive slot); page_table: i32[R, P]. The new tables are i32[R, B].
     """
+    _check_plan_inputs(buffer_tokens, lru_slots, topk, lengths, page_table, stacked=False)
     slots, tokens, lru, hits, misses, miss_host, miss_device = jax.vmap(
         functools.partial(_plan_one_request, page_size=page_size)
     )(buffer_tokens, lru_slots, topk, lengths, page_table)
@@ -332,8 +359,11 @@ def swap_in_plan_pallas(
 ):
     """The Pallas plan kernel for `layer`; updates buffer_tokens/lru_slots/scratch in place.
 
-    Returns (plan, buffer_tokens, lru_slots, scratch).
+    Shapes as swap_in_plan (K <= B). Returns (plan, buffer_tokens, lru_slots, scratch).
     """
+    _check_plan_inputs(
+        buffer_tokens, lru_slots, topk, lengths, page_table, stacked=True, scratch=scratch, layer=layer
+    )
     R, K = topk.shape
     B = buffer_tokens.shape[2]
     kernel = functools.partial(
@@ -380,10 +410,14 @@ def swap_in_plan_pallas(
 def swap_in_plan(buffer_tokens, lru_slots, scratch, layer, topk, lengths, page_table, *, page_size, implementation=None):
     """Plans one layer's swap-in over the stacked state arrays; see the module docstring.
 
-    buffer_tokens, lru_slots: i32[L, R, B]; scratch: i32[R, C]; layer: int or i32[];
-    topk: i32[R, K]; lengths: i32[R]; page_table: i32[R, P].
-    Returns (plan, buffer_tokens, lru_slots, scratch).
+    buffer_tokens, lru_slots: i32[L, R, B]; scratch: i32[R, C] (SCRATCH_EMPTY everywhere);
+    layer: int or i32[]; topk: i32[R, K] with K <= B; lengths: i32[R]; page_table: i32[R, P].
+    Returns (plan, buffer_tokens, lru_slots, scratch), the last three shaped as given.
+    Raises ValueError on inconsistent static shapes.
     """
+    _check_plan_inputs(
+        buffer_tokens, lru_slots, topk, lengths, page_table, stacked=True, scratch=scratch, layer=layer
+    )
     implementation = common.resolve_implementation(implementation)
     if implementation == "pallas":
         return swap_in_plan_pallas(

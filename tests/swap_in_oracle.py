@@ -1,4 +1,4 @@
-"""The swap-in contract (HISPARSE.md section 4) in plain Python, one request at a time.
+"""The swap-in contract (docs/contract.md) in plain Python, one request at a time.
 
 Deliberately naive (lists, no vectorisation) so it reads as the contract itself; tests hold
 both the jnp reference and the Pallas kernel to it.

@@ -5,17 +5,20 @@ the transition at n = B + 1, long paths that hit, miss and evict. Device slots a
 nothing has written are NaN, so a stray read shows up as a NaN in the output.
 """
 
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from hisparse_jax import kv_cache_ops
-from hisparse_jax.attention_layer import attention_layer, shared_attention_layer
+from hisparse_jax.attention_layer import LayerStepInfo, attention_layer, jit_attention_layer, shared_attention_layer
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.row_layout import KVRowLayout
 from hisparse_jax.state import FullKVState, HiSparseState, jit_donating_state
-from pallas_kernels.sparse_mla_attention import sparse_mla_attention_reference
+from pallas_kernels.sparse_mla_attention import sparse_mla_attention
+from pallas_kernels.swap_in import SwapInPlan
 
 L, R, H, LATENT, ROPE = 2, 3, 4, 32, 16
 K, B, C, PAGE = 8, 16, 128, 8
@@ -132,9 +135,19 @@ def recent_and_random(rng, positions, layer):
 
 
 def dense_reference(query, rows_upto, topk):
-    """f32 attention over the true rows, restricted to the selected positions."""
-    kv = jnp.asarray(rows_upto)[None]  # [1, R, T, W]
-    return np.asarray(sparse_mla_attention_reference(jnp.asarray(query), kv, 0, jnp.asarray(topk), latent_dim=LATENT, sm_scale=SCALE))
+    """float64 numpy attention over the true rows of the selected entries (each entry counts,
+    repeats too; -1 is masked; a request with no valid entry gets zeros). Independent of the
+    library's own reference kernel."""
+    out = np.zeros((query.shape[0], query.shape[1], LATENT))
+    for r in range(query.shape[0]):
+        chosen = [p for p in topk[r] if p >= 0]
+        if not chosen:
+            continue
+        keys = rows_upto[r, chosen].astype(np.float64)  # [k, W]
+        scores = query[r].astype(np.float64) @ keys.T * SCALE  # [H, k]
+        weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+        out[r] = (weights / weights.sum(axis=1, keepdims=True)) @ keys[:, :LATENT]
+    return out
 
 
 @pytest.mark.parametrize("implementation", ["reference", "pallas"])
@@ -206,18 +219,157 @@ def test_shared_layer_replays_anchor_plan(implementation):
 
 
 def test_one_jitted_layer_step_serves_every_layer():
-    """jit_attention_layer compiles once (traced layer index) and matches attention_layer."""
-    from hisparse_jax.attention_layer import jit_attention_layer
+    """jit_attention_layer compiles once (traced layer index) and matches attention_layer with a
+    static layer index bit for bit: outputs, counters and every state array, step after step."""
+    prompt_lens = [20, 5, 40]
+    rows = np.random.default_rng(6).standard_normal((L, R, C, LATENT + ROPE)).astype(np.float32)
 
-    hisparse, _ = make_states(jnp.float32, "float32")
-    hisparse = prefill(hisparse, np.ones((L, R, C, LATENT + ROPE), np.float32), [20, 5, 40], C // PAGE, "pallas")
-    step = jit_attention_layer(hisparse, latent_dim=LATENT, sm_scale=SCALE, implementation="pallas")
+    def prefilled():
+        hisparse, _ = make_states(jnp.float32, "float32")
+        return prefill(hisparse, rows, prompt_lens, C // PAGE, "pallas")
+
+    traced, static = prefilled(), prefilled()
+    step = jit_attention_layer(traced, latent_dim=LATENT, sm_scale=SCALE, implementation="pallas")
+    static_steps = [
+        jit_donating_state(
+            functools.partial(attention_layer, layer=layer, latent_dim=LATENT, sm_scale=SCALE, implementation="pallas"),
+            static, extra_outputs=2,
+        )
+        for layer in range(L)
+    ]  # fmt: skip
+    advance = jit_donating_state(kv_cache_ops.advance, traced)
     rng = np.random.default_rng(4)
-    positions = jnp.asarray([20, 5, 40], jnp.int32)
-    for layer in range(L):
-        query = jnp.asarray(rng.standard_normal((R, H, LATENT + ROPE)), jnp.float32)
-        row = jnp.asarray(rng.standard_normal((R, LATENT + ROPE)), jnp.float32)
-        topk = jnp.asarray(rng.integers(0, 6, (R, K)), jnp.int32)
-        hisparse, out, info = step(hisparse, jnp.int32(layer), query, row, positions, topk)
-        assert np.all(np.isfinite(np.asarray(out))) and int(info.num_misses.sum()) > 0
+    positions = np.array(prompt_lens, np.int32)
+    misses = 0
+    for _ in range(3):
+        for layer in range(L):
+            query = jnp.asarray(rng.standard_normal((R, H, LATENT + ROPE)), jnp.float32)
+            row = jnp.asarray(rng.standard_normal((R, LATENT + ROPE)), jnp.float32)
+            topk = jnp.asarray(rng.integers(0, 6, (R, K)), jnp.int32)
+            args = (query, row, jnp.asarray(positions), topk)
+            traced, out, info = step(traced, jnp.int32(layer), *args)
+            static, expected_out, expected_info = static_steps[layer](static, query=query, new_row=row, positions=args[2], topk=topk)
+            assert np.all(np.isfinite(np.asarray(out)))
+            np.testing.assert_array_equal(np.asarray(out), np.asarray(expected_out))
+            np.testing.assert_array_equal(np.asarray(info.num_hits), np.asarray(expected_info.num_hits))
+            np.testing.assert_array_equal(np.asarray(info.num_misses), np.asarray(expected_info.num_misses))
+            misses += int(info.num_misses.sum())
+        traced = advance(traced, jnp.asarray(positions) >= 0)
+        static = advance(static, jnp.asarray(positions) >= 0)
+        positions = positions + 1
+    for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(traced)[0], jax.tree.leaves(static)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=jax.tree_util.keystr(path))  # NaN == NaN
+    assert misses > 0
     assert step._cache_size() == 1
+
+
+# ---- static shape checks ----------------------------------------------------------------------
+
+W = LATENT + ROPE
+
+
+@pytest.fixture(scope="module")
+def states():
+    hisparse, full = make_states(jnp.float32, "float32")
+    return dict(hisparse=hisparse, full=full)
+
+
+def layer_args(**changes):
+    args = dict(
+        layer=0,
+        query=jnp.zeros((R, H, W), jnp.float32),
+        new_row=jnp.zeros((R, W), jnp.float32),
+        positions=jnp.zeros((R,), jnp.int32),
+        topk=jnp.zeros((R, K), jnp.int32),
+    )
+    return {**args, **changes}
+
+
+STEP_SHAPE_ERRORS = [
+    (dict(query=jnp.zeros((R, H, W + 1))), r"query width \(49\) must equal the state's row width \(W\) \(48\)"),
+    (dict(new_row=jnp.zeros((R, W - 1))), r"new_row width \(47\) must equal the state's row width \(W\) \(48\)"),
+    (dict(query=jnp.zeros((R + 1, H, W))), r"query batch \(4\) must equal the state's request slots \(R\) \(3\)"),
+    (dict(new_row=jnp.zeros((R - 1, W))), r"new_row batch \(2\) must equal the state's request slots \(R\) \(3\)"),
+    (dict(positions=jnp.zeros((R + 2,), jnp.int32)), r"positions batch \(5\) must equal the state's request slots"),
+    (dict(topk=jnp.zeros((1, K), jnp.int32)), r"topk batch \(1\) must equal the state's request slots \(R\) \(3\)"),
+    (dict(topk=jnp.zeros((K,), jnp.int32)), r"topk must be \[R, K\] \(2 dimensions\), got shape \(8,\)"),
+    (dict(query=jnp.zeros((R, W))), r"query must be \[R, H, W\]"),
+    (dict(layer=L), r"layer \(2\) must be in \[0, num_layers \(2\)\)"),
+    (dict(layer=-1), r"layer \(-1\) must be in \[0, num_layers \(2\)\)"),
+]
+
+
+@pytest.mark.parametrize("kind", ["hisparse", "full"])
+@pytest.mark.parametrize("changes, message", STEP_SHAPE_ERRORS)
+def test_attention_layer_checks_static_shapes(states, kind, changes, message):
+    args = layer_args(**changes)
+    with pytest.raises(ValueError, match=message):
+        jax.eval_shape(lambda: attention_layer(states[kind], **args, latent_dim=LATENT, sm_scale=SCALE))
+
+
+def test_attention_layer_checks_top_k_fits_the_buffer(states):
+    args = layer_args(topk=jnp.zeros((R, B + 1), jnp.int32))
+    with pytest.raises(ValueError, match=r"top_k \(17\) must be <= device_buffer_size \(16\)"):
+        jax.eval_shape(lambda: attention_layer(states["hisparse"], **args, latent_dim=LATENT, sm_scale=SCALE))
+    # Without offload there is no buffer to fit: every position is on the device.
+    jax.eval_shape(lambda: attention_layer(states["full"], **args, latent_dim=LATENT, sm_scale=SCALE))
+
+
+def anchor_info(rows, k=K):
+    plan = SwapInPlan(*(jnp.zeros((rows, k), jnp.int32), jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32)),
+                      jnp.full((rows, k), -1, jnp.int32), jnp.full((rows, k), -1, jnp.int32))
+    return LayerStepInfo(plan.num_hits, plan.num_misses, plan)
+
+
+@pytest.mark.parametrize("kind", ["hisparse", "full"])
+@pytest.mark.parametrize("changes, message", [case for case in STEP_SHAPE_ERRORS if "topk" not in case[0]])
+def test_shared_attention_layer_checks_static_shapes(states, kind, changes, message):
+    args = layer_args(**changes)
+    del args["topk"]
+    with pytest.raises(ValueError, match=message):
+        jax.eval_shape(lambda: shared_attention_layer(states[kind], **args, anchor=anchor_info(R), latent_dim=LATENT, sm_scale=SCALE))
+
+
+def test_shared_attention_layer_checks_the_anchor(states):
+    args = layer_args()
+    del args["topk"]
+    with pytest.raises(ValueError, match=r"anchor plan slots batch \(2\) must equal the state's request slots \(R\) \(3\)"):
+        shared_attention_layer(states["hisparse"], **args, anchor=anchor_info(R - 1), latent_dim=LATENT, sm_scale=SCALE)
+    with pytest.raises(ValueError, match="needs the anchor's plan"):
+        shared_attention_layer(states["hisparse"], **args, anchor=LayerStepInfo(None, None, None), latent_dim=LATENT, sm_scale=SCALE)
+
+
+@pytest.mark.parametrize("kind", ["hisparse", "full"])
+def test_lifecycle_checks_static_shapes(states, kind):
+    state = states[kind]
+    with pytest.raises(ValueError, match=r"rows width \(47\) must equal the state's row width \(48\)"):
+        kv_cache_ops.store_prefill_rows(state, 0, 0, 0, jnp.zeros((5, W - 1)), 5)
+    with pytest.raises(ValueError, match=r"layer \(2\) must be in \[0, num_layers \(2\)\)"):
+        kv_cache_ops.store_prefill_rows(state, L, 0, 0, jnp.zeros((5, W)), 5)
+    with pytest.raises(ValueError, match=r"active length \(2\) must equal the state's request slots \(3\)"):
+        kv_cache_ops.advance(state, jnp.ones((R - 1,), bool))
+
+
+def test_begin_request_checks_host_pages(states):
+    with pytest.raises(ValueError, match=r"host_pages shape \(3,\) must be \(P,\) = \(16,\)"):
+        kv_cache_ops.begin_request(states["hisparse"], 0, 5, jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="needs the request's host_pages"):
+        kv_cache_ops.begin_request(states["hisparse"], 0, 5)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "pallas"])
+@pytest.mark.parametrize(
+    "query_shape, kv_shape, slots_shape, layer, latent, message",
+    [
+        ((R, H, W + 1), (L, R, B, W), (R, K), 0, LATENT, r"query width \(49\) must equal kv row width \(W\) \(48\)"),
+        ((R, H, W), (L, R + 1, B, W), (R, K), 0, LATENT, r"kv request slots \(4\) must equal query batch \(R\) \(3\)"),
+        ((R, H, W), (L, R, B, W), (R - 1, K), 0, LATENT, r"slots batch \(2\) must equal query batch \(R\) \(3\)"),
+        ((R, H, W), (L, R, B, W), (R, K), L, LATENT, r"layer \(2\) must be in \[0, num_layers \(2\)\)"),
+        ((R, H, W), (L, R, B, W), (R, K), 0, W + 1, r"latent_dim \(49\) must be in \[1, row width \(48\)\]"),
+        ((R, H, W), (R, B, W), (R, K), 0, LATENT, r"kv must be \[L, R, S, W\]"),
+    ],
+)
+def test_sparse_mla_attention_checks_static_shapes(implementation, query_shape, kv_shape, slots_shape, layer, latent, message):
+    query, kv, slots = jnp.zeros(query_shape), jnp.zeros(kv_shape), jnp.zeros(slots_shape, jnp.int32)
+    with pytest.raises(ValueError, match=message):
+        sparse_mla_attention(query, kv, layer, slots, latent_dim=latent, sm_scale=SCALE, implementation=implementation)

@@ -184,6 +184,7 @@ def test_many_consecutive_steps_kernel_equals_reference_and_oracle():
     lru = np.tile(np.arange(B, dtype=np.int32), (R, 1))
     states = {impl: (bt.copy(), lru.copy()) for impl in IMPLEMENTATIONS}
     oracle_state = (bt.copy(), lru.copy())
+    fast_steps = long_steps = misses = 0
     for _ in range(60):
         # As the decode step does: on the fast path the newest token lands in slot n - 1.
         for tokens, _ in [*states.values(), oracle_state]:
@@ -198,13 +199,17 @@ def test_many_consecutive_steps_kernel_equals_reference_and_oracle():
                 recent = rng.integers(max(0, n - 24), n, K)
                 topk[r] = np.where(rng.random(K) < 0.8, recent, rng.integers(-1, n, K))
         expected = oracle_batch(*oracle_state, topk, lengths, C)
+        fast_steps += int(np.sum((lengths > 0) & (lengths <= B)))
+        long_steps += int(np.sum(lengths > B))
+        misses += sum(e[4] for e in expected)
         for impl in IMPLEMENTATIONS:
             plan, tokens, new_lru = plan_numpy(*states[impl], topk, lengths, impl, C=C)
             assert_matches_oracle(plan, tokens, new_lru, expected)
             states[impl] = (tokens.copy(), new_lru.copy())
         oracle_state = (np.array([e[1] for e in expected]), np.array([e[2] for e in expected]))
         lengths = np.where(lengths > 0, lengths + 1, 0).astype(np.int32)
-    assert lengths.max() > B
+    # Both paths ran, and the long path really evicted (not only hits).
+    assert fast_steps > 0 and long_steps > 0 and misses > 0
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -226,3 +231,94 @@ def test_copy_moves_exactly_the_planned_rows(implementation):
         for i in range(int(num_misses[r])):
             expected[1, r, miss_device[r, i]] = pool[1, miss_host[r, i]]
     np.testing.assert_array_equal(out, expected)
+
+
+# ---- static shape checks ----------------------------------------------------------------------
+
+
+def plan_inputs(R=2, B=8, K=4, C=32, L=1):
+    return dict(
+        buffer_tokens=jnp.full((L, R, B), -1, jnp.int32),
+        lru_slots=jnp.zeros((L, R, B), jnp.int32),
+        scratch=jnp.full((R, C), swap_in.SCRATCH_EMPTY, jnp.int32),
+        layer=0,
+        topk=jnp.zeros((R, K), jnp.int32),
+        lengths=jnp.zeros((R,), jnp.int32),
+        page_table=jnp.zeros((R, C // PAGE_SIZE), jnp.int32),
+    )
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(topk=jnp.zeros((2, 9), jnp.int32)), r"top_k \(9\) must be <= device_buffer_size \(8\)"),
+        (dict(topk=jnp.zeros((3, 4), jnp.int32)), r"topk batch \(3\) must equal buffer_tokens request slots \(R\) \(2\)"),
+        (dict(lengths=jnp.zeros((1,), jnp.int32)), r"lengths batch \(1\) must equal topk batch \(R\) \(2\)"),
+        (dict(page_table=jnp.zeros((4, 8), jnp.int32)), r"page_table batch \(4\) must equal topk batch \(R\) \(2\)"),
+        (dict(lru_slots=jnp.zeros((1, 2, 7), jnp.int32)), r"lru_slots shape \(\(1, 2, 7\)\) must equal buffer_tokens shape"),
+        (dict(scratch=jnp.zeros((3, 32), jnp.int32)), r"scratch batch \(3\) must equal topk batch \(R\) \(2\)"),
+        (dict(layer=1), r"layer \(1\) must be in \[0, num_layers \(1\)\)"),
+        (dict(topk=jnp.zeros((2,), jnp.int32)), r"topk must be \[R, K\]"),
+    ],
+)
+def test_swap_in_plan_checks_static_shapes(implementation, changes, message):
+    args = {**plan_inputs(), **changes}
+    with pytest.raises(ValueError, match=message):
+        swap_in.swap_in_plan(**args, page_size=PAGE_SIZE, implementation=implementation)
+
+
+def test_swap_in_plan_reference_checks_top_k_fits_the_buffer():
+    args = plan_inputs(K=9)
+    with pytest.raises(ValueError, match=r"top_k \(9\) must be <= device_buffer_size \(8\)"):
+        swap_in.swap_in_plan_reference(
+            args["buffer_tokens"][0], args["lru_slots"][0], args["topk"], args["lengths"], args["page_table"], page_size=PAGE_SIZE
+        )
+
+
+def copy_inputs(L=2, R=3, B=8, S=40, W=6, K=5):
+    return dict(
+        pool=jnp.zeros((L, S, W), jnp.float32),
+        device_buffer=jnp.zeros((L, R, B + 1, W), jnp.float32),
+        layer=0,
+        miss_host=jnp.zeros((R, K), jnp.int32),
+        miss_device=jnp.zeros((R, K), jnp.int32),
+        num_misses=jnp.zeros((R,), jnp.int32),
+    )
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(pool=jnp.zeros((2, 40, 7))), r"device_buffer row width \(6\) must equal pool row width \(W\) \(7\)"),
+        (dict(pool=jnp.zeros((3, 40, 6))), r"device_buffer layers \(2\) must equal pool layers \(L\) \(3\)"),
+        (dict(miss_device=jnp.zeros((3, 4), jnp.int32)), r"miss_device shape \(\(3, 4\)\) must equal miss_host shape \(\(3, 5\)\)"),
+        (
+            dict(miss_host=jnp.zeros((2, 5), jnp.int32), miss_device=jnp.zeros((2, 5), jnp.int32)),
+            r"miss_host batch \(2\) must equal device_buffer request slots \(R\) \(3\)",
+        ),
+        (dict(num_misses=jnp.zeros((4,), jnp.int32)), r"num_misses batch \(4\) must equal miss_host batch \(R\) \(3\)"),
+        (dict(layer=2), r"layer \(2\) must be in \[0, num_layers \(2\)\)"),
+    ],
+)
+def test_copy_checks_static_shapes(implementation, changes, message):
+    args = {**copy_inputs(), **changes}
+    with pytest.raises(ValueError, match=message):
+        row_copy.copy_host_rows_to_buffer(**args, implementation=implementation)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(
+    "rows_shape, slots_shape, layer, message",
+    [
+        ((4, 5), (4,), 0, r"rows width \(5\) must equal pool row width \(W\) \(6\)"),
+        ((4, 6), (3,), 0, r"host_slots length \(3\) must equal rows \(N\) \(4\)"),
+        ((4, 6), (4,), 2, r"layer \(2\) must be in \[0, num_layers \(2\)\)"),
+        ((6,), (4,), 0, r"rows must be \[N, W\]"),
+    ],
+)
+def test_write_checks_static_shapes(implementation, rows_shape, slots_shape, layer, message):
+    pool = jnp.zeros((2, 40, 6), jnp.float32)
+    with pytest.raises(ValueError, match=message):
+        row_copy.write_rows_to_host(pool, layer, jnp.zeros(rows_shape), jnp.zeros(slots_shape, jnp.int32), implementation=implementation)

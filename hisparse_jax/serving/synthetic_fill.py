@@ -1,6 +1,6 @@
 """SYNTHETIC contexts for decode benchmarks: random KV rows and indexer keys, no model prefill.
 
-A PD decode instance receives each request's finished KV (HISPARSE.md 5); decode throughput is
+A PD decode instance receives each request's finished KV (docs/background.md); decode throughput is
 what HiSparse changes. This writes random rows where the model's prefill would write them (the
 host pool with HiSparse, the device KV without) and random indexer keys into the device key
 cache, so prefill stays out of a benchmark's timing. Every figure produced this way is labelled
@@ -18,7 +18,6 @@ import jax.numpy as jnp
 
 from hisparse_jax import sharding as dp_sharding
 from hisparse_jax.kv_cache_ops import begin_request, store_prefill_rows
-from hisparse_jax.state import HiSparseState
 from models.decoding import DecodeCache, cache_shardings
 
 
@@ -27,7 +26,7 @@ def _fill(cache, slot, prompt_len, host_pages, key, *, num_positions: int, imple
     device KV, as store_prefill_rows puts a prefill's) and random indexer keys. host_pages i32[P]."""
     kv, index_keys = cache.kv, cache.index_keys
     J, _, C, I = index_keys.shape
-    rows_like = kv.device_buffer if isinstance(kv, HiSparseState) else kv.kv
+    rows_like = kv.device_rows
     L, W, dtype = kv.num_layers, rows_like.shape[-1], rows_like.dtype
     kv = begin_request(kv, slot, prompt_len, host_pages)
     for layer in range(L):
