@@ -50,7 +50,7 @@ flags.DEFINE_bool("smoke", False, "Tiny sizes, to try the script itself on a CPU
 TOP_K, BUFFER, CONTEXT, LATENT, ROPE = 2048, 4096, 32768, 512, 64
 WIDTH = LATENT + ROPE
 ROW_BYTES = WIDTH * 2
-GATHER_FLOOR_GBPS = (42.0, 51.0)  # GPU_FACTS: UVA gather of random 1152 B rows, 2k .. 131k rows
+GATHER_FLOOR_GBPS = (42.0, 51.0)  # docs/background.md: UVA gather of random 1152 B rows, 2k .. 131k rows
 FLUSH_WORDS = 64 * 1024 * 1024  # 256 MB of int32: over 4x the H200's 60 MB L2
 
 RESULTS: dict = {"device": None, "checks": {}, "swap_in": [], "attention": [], "errors": []}

@@ -1,4 +1,4 @@
-"""DSAModelConfig: real-model dims and sizes (HISPARSE.md section 8), HF config.json parsing."""
+"""DSAModelConfig: real-model dims and sizes (docs/background.md), HF config.json parsing."""
 
 import json
 import math
@@ -16,7 +16,7 @@ from models.loading import abstract_model
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "deepseek_v32_tiny")
 
-# HISPARSE.md section 8.
+# docs/background.md, model dimensions.
 TABLE = {
     "deepseek_v32": dict(
         num_layers=61, hidden_size=7168, num_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
@@ -105,8 +105,8 @@ def test_deepseek_yarn_softmax_scale_and_frequencies():
     assert attention_factor == 1.0  # mscale / mscale_all_dim
     original = 10000.0 ** (-np.arange(0, 64, 2) / 64)
     # Correction range for beta_fast 32 / beta_slow 1 over 4096 original positions: dims [10, 23].
-    np.testing.assert_allclose(inv_freq[:10], original[:10], rtol=1e-6)
-    np.testing.assert_allclose(inv_freq[23:], original[23:] / 40, rtol=1e-6)
+    np.testing.assert_allclose(inv_freq[:10], original[:10], rtol=1e-6, atol=1e-12)
+    np.testing.assert_allclose(inv_freq[23:], original[23:] / 40, rtol=1e-6, atol=1e-12)
     assert np.all((inv_freq[10:23] < original[10:23]) & (inv_freq[10:23] > original[10:23] / 40))
 
 

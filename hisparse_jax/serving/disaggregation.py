@@ -7,7 +7,7 @@ Transport, and why:
   * the arrays (every layer's KV rows, the indexer keys) go through JAX's own cross-process
     transfer, `jax.experimental.transfer`: the prefill side offers them (`await_pull`), the decode
     side pulls them straight into the memory it names: the KV rows into pinned host memory (they
-    are bound for the HiSparse host pool, HISPARSE.md 5: the decode device never holds the
+    are bound for the HiSparse host pool, docs/background.md: the decode device never holds the
     context), the indexer keys into device memory. No serialisation, no staging through Python;
     on GPUs the same API moves device buffers over the network stack XLA was built with.
   * the small control messages (which request, its prompt, its first token, where to pull)
