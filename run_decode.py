@@ -10,27 +10,20 @@ Flags follow SGLang (server: --enable-hisparse, --hisparse-config, --context-len
 --random-output-len, --random-range-ratio, --max-concurrency, --seed) with underscores.
 Serving writes results.json and PNG plots to --output_dir and prints a summary; checkpoint
 decoding (--prompts/--output) writes `tokens` int32 [B, N] and `logits` float32 [B, N, vocab].
-Bad flags end with one line on stderr and exit status 2. Intentionally thin: flags -> library.
+Bad input (an unknown flag, a bad value, a flag the mode does not read, prompts the model cannot
+take, unusable files) ends with one `error: ...` line on stderr and exit status 2, before JAX
+starts and before anything is written (hisparse_jax.serving.validation holds the checks).
+Intentionally thin: flags -> library.
 """
 
 import logging
 import os
 import sys
 
-import jax
 from absl import app, flags
 
+from hisparse_jax.serving import validation
 from hisparse_jax.serving.errors import UsageError
-from hisparse_jax.serving.cli import (
-    ServingArgs,
-    format_report,
-    parse_int_list,
-    run_checkpoint_decode,
-    run_decode_instance,
-    run_prefill_instance,
-    run_serving,
-)
-from hisparse_jax.serving.telemetry import format_summary
 
 _MODEL = flags.DEFINE_string("model", "tiny", "Built-in model config (random weights): tiny, tiny_glm, deepseek_v32, glm_5_1, glm_5_2.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint directory (config.json + *.safetensors), instead of --model.")
@@ -41,7 +34,7 @@ _ENABLE_HISPARSE = flags.DEFINE_bool("enable_hisparse", True, "KV in pinned host
 _HISPARSE_CONFIG = flags.DEFINE_string(
     "hisparse_config", '{"host_to_device_ratio": 8}',
     "HiSparse settings as JSON, as SGLang's --hisparse-config; top_k defaults to the model's index_topk,"
-    " device_buffer_size to 2 x top_k. Default: the seeds' colocated host_to_device_ratio 8.",
+    " device_buffer_size to 2 x top_k. Default: SGLang's colocated host_to_device_ratio 8.",
 )  # fmt: skip
 _CONTEXT_LENGTH = flags.DEFINE_integer("context_length", None, "Most tokens (prompt + output) per request; default: the workload's longest.")
 _MAX_RUNNING_REQUESTS = flags.DEFINE_integer("max_running_requests", 8, "Request slots: the static decode batch.")
@@ -90,29 +83,64 @@ def _use_host_devices(count: int) -> None:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
 
 
-def main(argv):
-    if len(argv) > 1:
-        sys.exit(f"error: unexpected arguments {argv[1:]}")
-    devices = _TP_SIZE.value if _ENABLE_DP_ATTENTION.value else _TP_SIZE.value * _DP_SIZE.value
-    _use_host_devices(devices)
-    logging.info("jax %s on %s", jax.__version__, jax.devices())
+def _refuse(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """app.run's flags parser: a flag error (unknown flag, bad literal, missing value) or a stray
+    argument is one `error:` line and exit status 2, as every other bad input."""
     try:
-        if _PROMPTS.value is not None or _OUTPUT.value is not None:
-            run_checkpoint_decode(
+        rest = flags.FLAGS(argv)
+    except flags.Error as error:
+        _refuse(" ".join(str(error).split()))
+    if len(rest) > 1:
+        _refuse(f"unexpected arguments {rest[1:]} (flags are --name=value)")
+    return rest
+
+
+def _flag_values() -> tuple[dict, set]:
+    """(value of every run_decode.py flag, names of those set on the command line)."""
+    own = flags.FLAGS.get_flags_for_module(sys.modules[__name__])
+    return {f.name: f.value for f in own}, {f.name for f in own if f.present}
+
+
+def main(argv):
+    del argv  # parse_flags refused positional arguments
+    try:
+        values, present = _flag_values()
+        checkpoint_decoding = _PROMPTS.value is not None or _OUTPUT.value is not None
+        mode = validation.CHECKPOINT_DECODING if checkpoint_decoding else validation.SERVING
+        validation.check_flags(mode, values, present)
+        if checkpoint_decoding:
+            job = validation.check_checkpoint_decode(
                 _CHECKPOINT.value, _PROMPTS.value, _OUTPUT.value, max_new_tokens=_MAX_NEW_TOKENS.value,
                 dtype=_DTYPE.value, enable_hisparse=_ENABLE_HISPARSE.value, hisparse_config=_HISPARSE_CONFIG.value,
             )  # fmt: skip
-            print(f"wrote {_OUTPUT.value}")
+        else:
+            devices = _TP_SIZE.value if _ENABLE_DP_ATTENTION.value else _TP_SIZE.value * _DP_SIZE.value
+            _use_host_devices(devices)
+        # Inputs checked: now start JAX (after _use_host_devices, which it reads on start).
+        import jax
+
+        from hisparse_jax.serving import cli
+        from hisparse_jax.serving.telemetry import format_summary
+
+        logging.info("jax %s on %s", jax.__version__, jax.devices())
+        if checkpoint_decoding:
+            cli.run_checkpoint_decode(job)
+            print(f"wrote {job.output}")
             return
-        args = ServingArgs(
+        args = cli.ServingArgs(
             model=_MODEL.value, checkpoint=_CHECKPOINT.value, enable_hisparse=_ENABLE_HISPARSE.value,
             hisparse_config=_HISPARSE_CONFIG.value, context_length=_CONTEXT_LENGTH.value,
             max_running_requests=_MAX_RUNNING_REQUESTS.value, kv_budget_gb=_KV_BUDGET_GB.value, dtype=_DTYPE.value,
             num_prompts=_NUM_PROMPTS.value, random_input_len=_RANDOM_INPUT_LEN.value,
             random_output_len=_RANDOM_OUTPUT_LEN.value, random_range_ratio=_RANDOM_RANGE_RATIO.value,
-            max_concurrency=parse_int_list("--max_concurrency", _MAX_CONCURRENCY.value), seed=_SEED.value,
+            max_concurrency=validation.parse_int_list("--max_concurrency", _MAX_CONCURRENCY.value), seed=_SEED.value,
             compare_baseline=_COMPARE_BASELINE.value,
-            device_buffer_sweep=parse_int_list("--device_buffer_sweep", _DEVICE_BUFFER_SWEEP.value),
+            device_buffer_sweep=validation.parse_int_list("--device_buffer_sweep", _DEVICE_BUFFER_SWEEP.value),
             synthetic_topk_overlap=_SYNTHETIC_TOPK_OVERLAP.value, eos_token_id=_EOS_TOKEN_ID.value,
             page_size=_PAGE_SIZE.value, output_dir=_OUTPUT_DIR.value, implementation=_IMPLEMENTATION.value,
             progress=_PROGRESS.value, tp_size=_TP_SIZE.value, dp_size=_DP_SIZE.value,
@@ -120,17 +148,16 @@ def main(argv):
             disaggregation_address=_DISAGGREGATION_ADDRESS.value,
         )  # fmt: skip
         if args.disaggregation_mode == "prefill":
-            print(run_prefill_instance(args))
+            print(cli.run_prefill_instance(args))
         elif args.disaggregation_mode == "decode":
-            results = run_decode_instance(args)
+            results = cli.run_decode_instance(args)
             print(format_summary(f"{results['run']['mode']} decode instance", results["summary"]))
             print(f"wrote {results['files']['results']}")
         else:
-            print(format_report(run_serving(args)))
+            print(cli.format_report(cli.run_serving(args)))
     except UsageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        _refuse(str(error))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

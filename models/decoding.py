@@ -41,7 +41,7 @@ from hisparse_jax.host_pages import HostPageAllocator
 from hisparse_jax.kv_cache_ops import advance, begin_request, store_prefill_rows
 from hisparse_jax.row_layout import KVRowLayout
 from hisparse_jax.state import FullKVState, HiSparseState, state_shardings
-from models import rope
+from models import inputs, rope
 from models.decoder import DSAForCausalLM, DecoderLayer
 from models.indexer import index_scores, select_topk
 from models.loading import load_hf_checkpoint
@@ -381,20 +381,23 @@ def generate(
     page_size: int = 64,
     fill_value: float = 0.0,
 ) -> GenerateOutput:
-    """Greedy decoding of prompts i32[B, T], one request slot per prompt; EOS does not stop it."""
+    """Greedy decoding of prompts i32[B, T], one request slot per prompt; EOS does not stop it.
+
+    Raises models.inputs.InputError (a ValueError) for prompts the model cannot take: non-integer
+    ids, ids outside the vocabulary, an empty array, T + max_new_tokens beyond
+    max_position_embeddings, a HiSparse top_k other than the model's, prompts that do not split
+    over the runner's data-parallel groups."""
+    config = model.config
+    max_new_tokens = inputs.check_max_new_tokens(max_new_tokens)
+    prompts = inputs.check_prompts(prompts, config, max_new_tokens=max_new_tokens)
+    inputs.check_hisparse(hisparse, config)
     runner = model if isinstance(model, ModelRunner) else ModelRunner(model)
-    prompts = np.asarray(prompts, np.int32)
-    if prompts.ndim != 2:
-        raise ValueError(f"prompts must be [B, T], got shape {prompts.shape}")
-    if max_new_tokens < 1:
-        raise ValueError(f"{max_new_tokens=} must be >= 1")
     B, T = prompts.shape
+    inputs.check_parallel(config, runner.parallel if runner.mesh is not None else None, num_requests=B, requests="prompts")
     max_context = T + max_new_tokens
     num_host_pages = None
     # With data-parallel attention each group pages its own block of the pool (page ids local to it).
     groups = 1 if runner.mesh is None else runner.mesh.shape[dp_sharding.REQUEST_AXIS]
-    if B % groups:
-        raise ValueError(f"{B} prompts do not split over {groups} data-parallel groups")
     if hisparse is not None:
         num_host_pages = B * -(-max_context // page_size)
         allocators = [HostPageAllocator(num_host_pages // groups, page_size) for _ in range(groups)]
@@ -440,15 +443,29 @@ def decode_checkpoint(
     hisparse: HiSparseConfig | None = None,
 ) -> GenerateOutput:
     """Loads a Hugging Face checkpoint, greedy-decodes the prompts of an .npz (`input_ids`
-    int32 [B, T]) and writes `tokens` int32 [B, N] and `logits` float32 [B, N, V] to output_path."""
-    with np.load(prompts_path) as data:
-        if "input_ids" not in data:
-            raise ValueError(f"{prompts_path} has no 'input_ids' array (found {sorted(data.files)})")
-        prompts = data["input_ids"].astype(np.int32)
+    int32 [B, T]) and writes `tokens` int32 [B, N] and `logits` float32 [B, N, V] to output_path
+    (which must end in .npz: it is the file written).
+
+    Every input (config.json, the prompts against it, max_new_tokens, hisparse, the output path)
+    is checked before the weights load (models.inputs.InputError); the output appears whole or
+    not at all (written aside, then renamed)."""
+    config = inputs.load_config(checkpoint)
+    prompts = inputs.check_prompts(
+        inputs.read_prompts(prompts_path), config, max_new_tokens=max_new_tokens, name=f"{os.fspath(prompts_path)} input_ids"
+    )
+    inputs.check_hisparse(hisparse, config)
+    output_path = inputs.check_output_path(output_path)
     model = load_hf_checkpoint(checkpoint, dtype=dtype)
     logging.info("loaded %s: %s, %d layers, params %s", checkpoint, model.config.model_type, model.config.num_layers, np.dtype(dtype).name)
     out = generate(model, prompts, max_new_tokens, hisparse=hisparse)
-    np.savez(output_path, tokens=out.tokens, logits=out.logits)
+    partial = f"{output_path}.partial-{os.getpid()}"
+    try:
+        with open(partial, "wb") as f:  # a file object: np.savez appends no suffix
+            np.savez(f, tokens=out.tokens, logits=out.logits)
+        os.replace(partial, output_path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
     if hisparse is not None and out.num_misses.size:
         logging.info("hisparse: %d hits, %d misses over %d decode steps", out.num_hits.sum(), out.num_misses.sum(), len(out.num_misses))
     return out

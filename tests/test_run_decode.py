@@ -1,12 +1,15 @@
 """run_decode.py as users run it: the default command (tiny model, HiSparse vs baseline, plots),
-a labelled synthetic-selection run, and bad input ending in one line and exit status 2.
-(Checkpoint decoding through run_decode.py: tests/test_models.py.)"""
+a labelled synthetic-selection run, and bad input (flags, prompts, files) ending in one line and
+exit status 2 with nothing written. (Checkpoint decoding through run_decode.py:
+tests/test_models.py; the checks themselves, without a subprocess: tests/test_inputs.py.)"""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -61,27 +64,107 @@ def test_synthetic_selection_outputs_are_labelled_apart(tmp_path):
     assert "SYNTHETIC" in done.stdout
 
 
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        (["--model=gpt2"], "is not a built-in config"),
-        (["--max_concurrency=1,x"], "--max_concurrency must be a comma-separated list of integers"),
-        (['--hisparse_config={"device_buffer_size": 4}'], "device_buffer_size (4) must be >= top_k (16)"),
-        (["--context_length=50"], "> context_length 50"),
-        (["--device_buffer_sweep=16,8"], "device_buffer_size (8) must be >= top_k (16)"),
-        (["--prompts=p.npz", "--output=o.npz"], "needs --checkpoint=DIR"),
-    ],
-    ids=["model", "concurrency", "buffer", "context", "sweep", "checkpoint"],
-)
+CHECKPOINT = os.path.join(ROOT, "tests", "fixtures", "deepseek_v32_tiny")  # vocab 512, max_position_embeddings 512
+
+
+def write_bad_inputs(directory):
+    """The files the bad-input cases name as {tmp}/NAME."""
+    with np.load(os.path.join(CHECKPOINT, "golden.npz")) as data:
+        ids = data["input_ids"]  # int32 [2, 96]
+    for name, value in {
+        "ok": ids, "vocab": np.where(ids == ids[0, 3], 512, ids), "negative": ids - 600, "float": ids.astype(np.float32),
+        "bool": ids > 100, "str": ids.astype(str), "object": np.array([[1, "a"]], dtype=object),
+        "no_rows": ids[:0], "no_columns": ids[:, :0], "1d": ids[0],
+    }.items():  # fmt: skip
+        np.savez(directory / f"{name}.npz", input_ids=value)
+    np.savez(directory / "no_key.npz", tokens=ids)
+    np.save(directory / "prompts.npy", ids)
+    shutil.copy(directory / "prompts.npy", directory / "npy_inside.npz")
+    (directory / "text.npz").write_text("not an archive")
+    for name, config in {"bad_json": "{nope", "bad_type": '{"model_type": "deepseek_v32", "num_hidden_layers": "3"}'}.items():
+        (directory / name).mkdir()
+        (directory / name / "config.json").write_text(config)
+
+
+def checkpoint_decoding(prompts="ok.npz", *flags, checkpoint=CHECKPOINT, output="{tmp}/out.npz"):
+    return [f"--checkpoint={checkpoint}", "--prompts={tmp}/" + prompts, f"--output={output}", *flags]
+
+
+def serving(*flags):
+    return ["--output_dir={tmp}/out", *flags]
+
+
+BAD_INPUT = {
+    # serving
+    "model": (serving("--model=gpt2"), "is not a built-in config"),
+    "concurrency": (serving("--max_concurrency=1,x"), "--max_concurrency must be a comma-separated list of integers"),
+    "buffer": (serving('--hisparse_config={"device_buffer_size": 4}'), "device_buffer_size (4) must be >= top_k (16)"),
+    "context": (serving("--context_length=50"), "> context_length 50"),
+    "context_over_model": (serving("--context_length=1000"), "--context_length=1000 exceeds the model's max_position_embeddings (512)"),
+    "sweep": (serving("--device_buffer_sweep=16,8"), "device_buffer_size (8) must be >= top_k (16)"),
+    "tp_size": (serving("--tp_size=3"), "the model's 4 attention heads do not split over 3 devices"),
+    "unused_in_serving": (serving("--max_new_tokens=8"), "--max_new_tokens is not used by serving"),
+    "positional": (serving("extra"), "unexpected arguments ['extra']"),
+    # checkpoint decoding: prompts
+    "vocab": (checkpoint_decoding("vocab.npz"), "input_ids holds token id 512 outside the vocabulary [0, 512)"),
+    "negative": (checkpoint_decoding("negative.npz"), "outside the vocabulary [0, 512)"),
+    "float": (checkpoint_decoding("float.npz"), "input_ids must hold integer token ids, got dtype float32"),
+    "bool": (checkpoint_decoding("bool.npz"), "input_ids must hold integer token ids, got dtype bool"),
+    "str": (checkpoint_decoding("str.npz"), "input_ids must hold integer token ids, got dtype <U"),
+    "object": (checkpoint_decoding("object.npz"), "input_ids is an object array"),
+    "no_rows": (checkpoint_decoding("no_rows.npz"), "input_ids is empty (shape (0, 96))"),
+    "no_columns": (checkpoint_decoding("no_columns.npz"), "input_ids is empty (shape (2, 0))"),
+    "1d": (checkpoint_decoding("1d.npz"), "input_ids must be a [B, T] array"),
+    "too_long": (checkpoint_decoding("ok.npz", "--max_new_tokens=417"), "96 + max_new_tokens 417 = 513 tokens exceeds the model's max_position_embeddings (512)"),
+    "max_new_tokens": (checkpoint_decoding("ok.npz", "--max_new_tokens=1000000"), "exceeds the model's max_position_embeddings (512)"),
+    "no_new_tokens": (checkpoint_decoding("ok.npz", "--max_new_tokens=0"), "--max_new_tokens must be a positive integer"),
+    # checkpoint decoding: files
+    "npy": (checkpoint_decoding("prompts.npy"), "prompts.npy is not an .npz file"),
+    "npy_inside": (checkpoint_decoding("npy_inside.npz"), "holds a single .npy array"),
+    "not_npz": (checkpoint_decoding("text.npz"), "text.npz is not an .npz archive"),
+    "no_input_ids": (checkpoint_decoding("no_key.npz"), "has no input_ids array (found ['tokens'])"),
+    "no_prompts_file": (checkpoint_decoding("missing.npz"), "--prompts: no file"),
+    "bad_json": (checkpoint_decoding(checkpoint="{tmp}/bad_json"), "cannot read model config"),
+    "bad_config": (checkpoint_decoding(checkpoint="{tmp}/bad_type"), "config.json: malformed config"),
+    "checkpoint_file": (checkpoint_decoding(checkpoint=os.path.join(CHECKPOINT, "config.json")), "is a file, not a directory"),
+    "no_checkpoint_dir": (checkpoint_decoding(checkpoint="{tmp}/missing"), "does not exist"),
+    "output_suffix": (checkpoint_decoding(output="{tmp}/out"), "--output: {tmp}/out must end in .npz"),
+    "output_dir": (checkpoint_decoding(output="{tmp}/missing/out.npz"), "--output: directory {tmp}/missing does not exist"),
+    "top_k": (checkpoint_decoding("ok.npz", '--hisparse_config={"top_k": 32}'), "HiSparse top_k (32) must equal the model's index_topk (16)"),
+    "needs_checkpoint": (["--prompts=p.npz", "--output=o.npz"], "needs --checkpoint=DIR"),
+    # checkpoint decoding: flags it does not read, bad values whatever the mode
+    "unused_flag": (checkpoint_decoding("ok.npz", "--context_length=64"), "--context_length is not used by checkpoint decoding"),
+    "unused_tp": (checkpoint_decoding("ok.npz", "--tp_size=2"), "--tp_size is not used by checkpoint decoding"),
+    "bad_unused_value": (checkpoint_decoding("ok.npz", "--context_length=0"), "--context_length must be an integer >= 2, got 0"),
+}
+
+
+@pytest.mark.parametrize("flags, message", list(BAD_INPUT.values()), ids=list(BAD_INPUT))
 def test_bad_input_ends_with_one_line_and_status_2(tmp_path, flags, message):
-    done = run_decode(f"--output_dir={tmp_path}", *flags)
-    assert done.returncode == 2
+    write_bad_inputs(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    done = run_decode(*(flag.replace("{tmp}", str(tmp_path)) for flag in flags))
+    assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and message in errors[0], done.stderr[-2000:]
+    assert len(errors) == 1 and message.replace("{tmp}", str(tmp_path)) in errors[0], done.stderr[-2000:]
+    assert sorted(tmp_path.rglob("*")) == before  # nothing written, not even the output directory
 
 
-def test_unknown_flag_is_refused_without_traceback(tmp_path):
+def test_unknown_flag_is_one_line_and_status_2(tmp_path):
     done = run_decode(f"--output_dir={tmp_path}", "--num_promptz=3")
-    assert done.returncode != 0 and "Unknown command line flag 'num_promptz'" in done.stderr
-    assert "Traceback" not in done.stderr
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == ["error: Unknown command line flag 'num_promptz'. Did you mean: num_prompts ?"]
+    assert done.stdout == ""
+
+
+def test_without_matplotlib_the_run_says_plots_were_skipped(monkeypatch, tmp_path):
+    import sys as _sys
+
+    from hisparse_jax.serving import cli
+
+    monkeypatch.setitem(_sys.modules, "matplotlib", None)  # import matplotlib now fails
+    monkeypatch.delitem(_sys.modules, "hisparse_jax.serving.plots", raising=False)
+    results = {"points": [{"mode": "hisparse", "max_concurrency": 1, "steps": {"misses": [1]}}], "buffer_sweep": []}
+    assert cli._plot(results, str(tmp_path), "", "model selection") == {}
+    assert results["notes"] == [cli.PLOTS_NEED] and os.listdir(tmp_path) == []

@@ -6,9 +6,10 @@ results JSON and the plots and return a printable report.
     results = run_serving(ServingArgs(compare_baseline=True, max_concurrency=(1, 4, 8)))
     print(format_report(results))
 
-Every input is validated here (UsageError names the flag); the script only maps flags to
-ServingArgs. A run with synthetic selection writes `synthetic_*` files with the label in every
-title, so its figures are never mixed with real-model ones.
+Every input is validated before anything is built (hisparse_jax.serving.validation: UsageError
+names the flag); the script only maps flags to ServingArgs. A run with synthetic selection writes
+`synthetic_*` files with the label in every title, so its figures are never mixed with real-model
+ones.
 """
 
 from __future__ import annotations
@@ -24,56 +25,33 @@ import numpy as np
 from flax import nnx
 
 from configs.model import DSAModelConfig, UnsupportedModelError
-from hisparse_jax.serving import plots
-from hisparse_jax.config import HiSparseConfig, HiSparseConfigError
+from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.serving.engine import Engine, EngineConfig
 from hisparse_jax.serving.errors import UsageError
 from hisparse_jax import memory
 from hisparse_jax.serving.disaggregation import KVReceiver, KVSender, parse_address
 from hisparse_jax.serving.workload import random_requests
 from hisparse_jax.serving.scheduler import DeviceFootprint
+from hisparse_jax.serving.validation import (  # noqa: F401  (parse_int_list, resolve_hisparse_config: this module's API)
+    DISAGGREGATION_MODES,
+    DTYPE_NAMES,
+    IMPLEMENTATIONS,
+    MODELS,
+    CheckpointDecode,
+    check_flag,
+    checkpoint_config,
+    flag_errors,
+    parse_int_list,
+    resolve_hisparse_config,
+)
 from hisparse_jax.sharding import ParallelConfig, ParallelConfigError
 from hisparse_jax.serving.telemetry import format_summary, steps_to_json, write_json
 from models.decoder import DSAForCausalLM
-from models.decoding import ModelRunner
+from models import inputs
+from models.decoding import GenerateOutput, ModelRunner, decode_checkpoint
 from models.loading import CheckpointError, load_hf_checkpoint
 
-MODELS = {
-    "tiny": DSAModelConfig.tiny,
-    "tiny_glm": DSAModelConfig.tiny_glm,
-    "deepseek_v32": DSAModelConfig.deepseek_v32,
-    "glm_5_1": DSAModelConfig.glm_5_1,
-    "glm_5_2": DSAModelConfig.glm_5_2,
-}
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
-IMPLEMENTATIONS = ("reference", "pallas")
-DISAGGREGATION_MODES = ("null", "prefill", "decode")
-
-
-def parse_int_list(name: str, text: str) -> tuple[int, ...]:
-    """"1,4,16" -> (1, 4, 16); every entry a positive integer."""
-    try:
-        values = tuple(int(v) for v in str(text).split(",") if v.strip())
-    except ValueError:
-        raise UsageError(f"{name} must be a comma-separated list of integers, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise UsageError(f"{name} entries must be positive, got {text!r}")
-    return values
-
-
-def resolve_hisparse_config(text: str, model: DSAModelConfig) -> HiSparseConfig:
-    """`--hisparse_config` JSON with top_k defaulting to the model's index_topk (and
-    device_buffer_size to 2 x top_k, as SGLang)."""
-    try:
-        values = json.loads(text) if text and text.strip() else {}
-    except json.JSONDecodeError as error:
-        raise UsageError(f"hisparse_config is not valid JSON: {error}") from None
-    if isinstance(values, dict):
-        values.setdefault("top_k", model.index_topk)
-    try:
-        return HiSparseConfig.from_dict(values)
-    except HiSparseConfigError as error:
-        raise UsageError(f"hisparse_config: {error}") from None
+DTYPES = {name: getattr(jnp, name) for name in DTYPE_NAMES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,36 +87,18 @@ class ServingArgs:
     disaggregation_address: str = "127.0.0.1:5757"  # the decode instance's control address
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):  # each value by its flag's rule (validation.check_flag)
+            check_flag(field.name, getattr(self, field.name))
         try:
             ParallelConfig(self.tp_size, self.dp_size, self.enable_dp_attention)
         except ParallelConfigError as error:
             raise UsageError(f"--tp_size/--dp_size/--enable_dp_attention: {error}") from None
-        if self.disaggregation_mode not in DISAGGREGATION_MODES:
-            raise UsageError(f"--disaggregation_mode={self.disaggregation_mode!r}: use one of {DISAGGREGATION_MODES}")
         if self.disaggregation_mode != "null":
             parse_address(self.disaggregation_address)
             if not self.parallel.is_single_device:
                 raise UsageError("--disaggregation_mode runs one device per instance here; drop --tp_size/--dp_size")
-        if self.checkpoint is None and self.model not in MODELS:
-            raise UsageError(f"--model={self.model!r} is not a built-in config; use one of {sorted(MODELS)} or --checkpoint")
-        if self.dtype not in DTYPES:
-            raise UsageError(f"--dtype={self.dtype!r}: use one of {sorted(DTYPES)}")
-        if self.implementation is not None and self.implementation not in IMPLEMENTATIONS:
-            raise UsageError(f"--implementation={self.implementation!r}: use one of {IMPLEMENTATIONS}")
-        if self.kv_budget_gb is not None and not self.kv_budget_gb > 0:
-            raise UsageError(f"--kv_budget_gb must be positive, got {self.kv_budget_gb}")
         if not self.enable_hisparse and self.device_buffer_sweep:
             raise UsageError("--device_buffer_sweep needs --enable_hisparse")
-        for name in ("max_running_requests", "num_prompts", "random_input_len", "random_output_len", "page_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UsageError(f"--{name} must be a positive integer, got {value!r}")
-        if self.context_length is not None and self.context_length < 2:
-            raise UsageError(f"--context_length must be >= 2, got {self.context_length}")
-        if not 0.0 <= self.random_range_ratio <= 1.0:
-            raise UsageError(f"--random_range_ratio must be in [0, 1], got {self.random_range_ratio}")
-        if self.synthetic_topk_overlap is not None and not 0.0 <= self.synthetic_topk_overlap <= 1.0:
-            raise UsageError(f"--synthetic_topk_overlap must be in [0, 1], got {self.synthetic_topk_overlap}")
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -162,10 +122,7 @@ def model_config(args: ServingArgs) -> DSAModelConfig:
     """The architecture alone (cheap): a built-in config or the checkpoint's config.json."""
     if args.checkpoint is None:
         return MODELS[args.model]()
-    try:
-        return DSAModelConfig.from_hf_config(args.checkpoint)
-    except (UnsupportedModelError, FileNotFoundError, ValueError) as error:
-        raise UsageError(f"--checkpoint: {error}") from None
+    return checkpoint_config(args.checkpoint)
 
 
 def load_model(args: ServingArgs):
@@ -174,7 +131,7 @@ def load_model(args: ServingArgs):
     if args.checkpoint is not None:
         try:
             return load_hf_checkpoint(args.checkpoint, dtype=dtype), os.path.basename(os.path.normpath(args.checkpoint))
-        except (CheckpointError, UnsupportedModelError, FileNotFoundError) as error:
+        except (CheckpointError, UnsupportedModelError, OSError) as error:
             raise UsageError(f"--checkpoint: {error}") from None
     return DSAForCausalLM(MODELS[args.model](), dtype=dtype, rngs=nnx.Rngs(args.seed)), f"{args.model} (random weights)"
 
@@ -201,9 +158,11 @@ class _Prepared:
 
 def _prepare(args: ServingArgs) -> _Prepared:
     config = model_config(args)  # everything is checked before the weights are built
+    with flag_errors("--tp_size/--dp_size/--enable_dp_attention"):
+        inputs.check_parallel(config, args.parallel, num_requests=args.max_running_requests, requests="request slots (--max_running_requests)")
     hisparse = resolve_hisparse_config(args.hisparse_config, config)
-    if hisparse.top_k != config.index_topk:
-        raise UsageError(f"hisparse_config top_k ({hisparse.top_k}) must equal the model's index_topk ({config.index_topk})")
+    if args.eos_token_id is not None and args.eos_token_id >= config.vocab_size:
+        raise UsageError(f"--eos_token_id={args.eos_token_id} is outside the model's vocabulary [0, {config.vocab_size})")
     requests = random_requests(
         num_prompts=args.num_prompts, input_len=args.random_input_len, output_len=args.random_output_len,
         range_ratio=args.random_range_ratio, vocab_size=config.vocab_size, seed=args.seed, eos_token_id=args.eos_token_id,
@@ -215,6 +174,9 @@ def _prepare(args: ServingArgs) -> _Prepared:
             f"request {longest.id} needs {longest.max_tokens} tokens ({longest.prompt_len} prompt +"
             f" {longest.max_new_tokens} new) > context_length {context}"
         )
+    if context > config.max_position_embeddings:
+        source = f"--context_length={context}" if args.context_length else f"the workload's longest request ({context} tokens)"
+        raise UsageError(f"{source} exceeds the model's max_position_embeddings ({config.max_position_embeddings})")
     for size in args.device_buffer_sweep:
         if size < hisparse.top_k:
             raise UsageError(f"--device_buffer_sweep: device_buffer_size ({size}) must be >= top_k ({hisparse.top_k})")
@@ -235,7 +197,10 @@ def run_serving(args: ServingArgs) -> dict:
     hisparse, requests, context = prepared.hisparse, prepared.requests, prepared.context
     model, model_name, budget, budget_source = prepared.model, prepared.model_name, prepared.budget, prepared.budget_source
     concurrencies = args.max_concurrency or (args.max_running_requests,)
-    runner = ModelRunner(model, implementation=args.implementation, parallel=args.parallel)
+    try:
+        runner = ModelRunner(model, implementation=args.implementation, parallel=args.parallel)
+    except ParallelConfigError as error:  # too few devices for the mesh
+        raise UsageError(f"--tp_size/--dp_size/--enable_dp_attention: {error}") from None
     os.makedirs(args.output_dir, exist_ok=True)
     prefix = "" if args.synthetic_topk_overlap is None else f"synthetic_overlap{args.synthetic_topk_overlap:g}_"
     results = dict(
@@ -354,7 +319,18 @@ def _all_identical(tokens: dict, ids: list[int]) -> bool:
     return all(np.array_equal(run[i], runs[0][i]) for run in runs[1:] for i in ids)
 
 
+PLOTS_NEED = "plots skipped: they need matplotlib (pip install -e '.[serving]'); the JSON holds every figure"
+
+
 def _plot(results: dict, output_dir: str, prefix: str, label: str) -> dict:
+    """Draws the run's plots -> {name: PNG path}; none (and a note in the report) without matplotlib."""
+    try:
+        from hisparse_jax.serving import plots  # matplotlib: an optional extra
+    except ModuleNotFoundError as error:
+        if error.name != "matplotlib":
+            raise
+        results["notes"] = results.get("notes", []) + [PLOTS_NEED]
+        return {}
     files = {}
     path = lambda name: os.path.join(output_dir, f"{prefix}{name}.png")  # noqa: E731
     if results["points"]:
@@ -394,43 +370,22 @@ def format_report(results: dict) -> str:
         ratios = [f"c={c}: {by['hisparse', c] / by['baseline', c]:.2f}x" for (m, c) in by if m == "hisparse" and ("baseline", c) in by]
         lines.append("hisparse / baseline output throughput: " + ", ".join(ratios))
     lines.append(f"same tokens for every request in every run: {results['tokens_identical']}")
+    lines.extend(results.get("notes", []))
     lines.append("wrote " + ", ".join(results["files"].values()))
     return "\n".join(lines)
 
 
-def run_checkpoint_decode(
-    checkpoint: str,
-    prompts: str | None,
-    output: str | None,
-    *,
-    max_new_tokens: int,
-    dtype: str,
-    enable_hisparse: bool,
-    hisparse_config: str,
-):
-    """Greedy decoding of a checkpoint over prompts.npz -> output.npz (models.decoding.decode_checkpoint),
-    with every input checked first."""
-    if checkpoint is None:
-        raise UsageError("checkpoint decoding (--prompts/--output) needs --checkpoint=DIR")
-    if prompts is None or output is None:
-        raise UsageError("checkpoint decoding needs --prompts=FILE.npz and --output=FILE.npz (or drop them to serve a random workload)")
-    if not os.path.isfile(prompts):
-        raise UsageError(f"--prompts: no file {prompts}")
-    out_dir = os.path.dirname(os.path.abspath(output))
-    if not os.path.isdir(out_dir):
-        raise UsageError(f"--output: directory {out_dir} does not exist")
-    if dtype not in DTYPES:
-        raise UsageError(f"--dtype={dtype!r}: use one of {sorted(DTYPES)}")
-    if max_new_tokens < 1:
-        raise UsageError(f"--max_new_tokens must be >= 1, got {max_new_tokens}")
-    with np.load(prompts) as data:
-        if "input_ids" not in data or data["input_ids"].ndim != 2:
-            raise UsageError(f"--prompts: {prompts} needs an int array input_ids [B, T] (found {sorted(data.files)})")
-    from models.decoding import decode_checkpoint
-
+def run_checkpoint_decode(job: CheckpointDecode) -> GenerateOutput:
+    """Greedy decoding of a checkpoint over job.prompts -> job.output (models.decoding.decode_checkpoint);
+    job comes from validation.check_checkpoint_decode, every input already checked. What only
+    loading can find (missing or misshapen tensors, an unwritable output) is a UsageError too."""
     try:
-        config = DSAModelConfig.from_hf_config(checkpoint)
-        hisparse = resolve_hisparse_config(hisparse_config, config) if enable_hisparse else None
-        return decode_checkpoint(checkpoint, prompts, output, max_new_tokens=max_new_tokens, dtype=DTYPES[dtype], hisparse=hisparse)
-    except (CheckpointError, UnsupportedModelError, FileNotFoundError) as error:
+        return decode_checkpoint(
+            job.checkpoint, job.prompts, job.output, max_new_tokens=job.max_new_tokens, dtype=DTYPES[job.dtype], hisparse=job.hisparse
+        )  # fmt: skip
+    except (CheckpointError, UnsupportedModelError) as error:
         raise UsageError(f"--checkpoint: {error}") from None
+    except inputs.InputError as error:  # validation's checks again, e.g. a file changed since
+        raise UsageError(str(error)) from None
+    except OSError as error:
+        raise UsageError(f"--output: cannot write {job.output}: {error}") from None
