@@ -27,6 +27,9 @@ from models.decoding import ModelRunner, generate
 TINY = DSAModelConfig.tiny()  # top_k 16, 3 layers
 HISPARSE = HiSparseConfig(top_k=16, device_buffer_size=20, host_to_device_ratio=8)
 CONTEXT = 128
+# By hand from the tiny config, float32: a KV row is kv_lora_rank 32 + rope 16 values, an indexer
+# key index_head_dim 32; all 3 layers have a KV cache and a full indexer.
+ROW_BYTES, KEY_BYTES = (32 + 16) * 4, 32 * 4
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +79,7 @@ def test_requests_joining_and_leaving_decode_as_if_alone(runner, workload, alone
     if hisparse is not None:
         # Every (layer, request) past the buffer had to evict: misses exceed what B slots hold.
         assert result.summary["misses"] > 3 * HISPARSE.device_buffer_size
-        assert result.summary["h2d_bytes"] == result.summary["misses"] * engine.footprint.row_bytes
+        assert result.summary["h2d_bytes"] == result.summary["misses"] * ROW_BYTES
     else:
         assert result.summary["misses"] == 0
     assert result.summary["output_tokens"] == sum(r.max_new_tokens for r in workload)
@@ -87,9 +90,11 @@ def test_pools_running_out_make_requests_wait_then_complete(runner):
     prompts = np.random.default_rng(5).integers(0, TINY.vocab_size, (6, 60)).astype(np.int32)
     requests = [Request(i, p, 8) for i, p in enumerate(prompts)]  # 68 tokens: 9 host pages each
     expected = generate(runner, prompts, 8).tokens
-    # 4 slots, but the host pool (20 pages) holds two requests, and so does the device budget.
+    # 4 slots, but the host pool (20 pages) holds two requests, and so does the device budget:
+    # twice what the baseline's arrays take for one 68-token request, counted off a real cache.
     tight_host = Engine(runner, engine_config(HISPARSE, max_running_requests=4, num_host_pages=20))
-    budget = 2 * DeviceFootprint.of(TINY, jnp.float32, None).request_bytes(68)
+    one = runner.create_cache(num_requests=1, max_context=68)
+    budget = 2 * (one.kv.kv.nbytes + one.index_keys.nbytes)
     tight_device = Engine(runner, engine_config(None, max_running_requests=4, kv_budget_bytes=budget))
     for engine in (tight_host, tight_device):
         result = engine.run(requests)
@@ -133,12 +138,13 @@ def test_requests_that_can_never_run_are_rejected(runner):
 
 
 def test_device_footprint_counts_rows_and_indexer_keys():
-    row, key = (32 + 16) * 4, 32 * 4  # tiny: kv_lora_rank 32 + rope 16; index_head_dim 32; float32
+    row, key = ROW_BYTES, KEY_BYTES
     on = DeviceFootprint.of(TINY, jnp.float32, HISPARSE)
     off = DeviceFootprint.of(TINY, jnp.float32, None)
     assert off.request_bytes(100) == 3 * 100 * row + 3 * 100 * key
     assert on.request_bytes(100) == 3 * 21 * row + 3 * 100 * key  # B + the newest-token slot
-    assert on.capacity(10 * on.request_bytes(100), 100) == 10
+    ten = 10 * (3 * 21 * row + 3 * 100 * key)
+    assert on.capacity(ten, 100) == 10 and on.capacity(ten - 1, 100) == 9
 
 
 def test_eos_ends_a_request_early(runner, workload, alone):
@@ -151,6 +157,62 @@ def test_eos_ends_a_request_early(runner, workload, alone):
     assert_everything_free(engine)
 
 
+class _Arrivals:
+    """engine.run's `arrivals` source (PD's KVReceiver): one batch of requests per poll."""
+
+    def __init__(self, *batches):
+        self.batches = list(batches)
+
+    def poll(self, timeout=None):
+        return self.batches.pop(0) if self.batches else []
+
+    @property
+    def closed(self):
+        return not self.batches
+
+
+@pytest.mark.parametrize("failure", ["decode", "prefill", "arrival"])
+@pytest.mark.parametrize("hisparse", [HISPARSE, None], ids=["hisparse", "baseline"])
+def test_a_failed_run_gives_everything_back(runner, workload, alone, hisparse, failure, monkeypatch):
+    engine = Engine(runner, engine_config(hisparse))
+    calls = []
+
+    def fail_on_third(real, before_real):
+        """Raises on the third call: before the real one (the engine's cache intact, its slots are
+        ended in place) or after it (the cache was donated to it: the engine's copy is gone)."""
+
+        def call(*args, **kwargs):
+            calls.append(None)
+            if len(calls) == 3 and before_real:
+                raise RuntimeError("injected")
+            out = real(*args, **kwargs)
+            if len(calls) == 3:
+                raise RuntimeError("injected")
+            return out
+
+        return call
+
+    bad = Request(99, np.zeros(CONTEXT, np.int32), 1)  # prompt + 1 > context_length
+    if failure == "decode":
+        monkeypatch.setattr(runner, "decode_step", fail_on_third(runner.decode_step, before_real=True))
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.run(workload)  # 8 requests through 3 slots: some running, some waiting
+    elif failure == "prefill":
+        monkeypatch.setattr(runner, "prefill", fail_on_third(runner.prefill, before_real=False))
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.run(workload)
+    else:
+        with pytest.raises(UsageError, match="request 99 needs 129 tokens"):
+            engine.run([], arrivals=_Arrivals(workload[:5], [bad]))  # 3 running, 2 pending
+    assert len(calls) == (0 if failure == "arrival" else 3)
+    assert_everything_free(engine)
+    monkeypatch.undo()
+    result = engine.run(workload)  # the same engine serves the next run as a fresh one would
+    for request in workload:
+        np.testing.assert_array_equal(result.tokens[request.id], alone[request.id], err_msg=f"request {request.id}")
+    assert_everything_free(engine)
+
+
 _compiles = []
 
 
@@ -159,6 +221,9 @@ def compile_counter():
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, duration, **kw: _compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
     )
+    before = len(_compiles)
+    jax.jit(lambda x: x + 1)(np.float32(0))  # a new function: the listener must see it compile
+    assert len(_compiles) > before, "the compile listener heard nothing: these tests could not fail"
     return _compiles
 
 
@@ -172,19 +237,42 @@ def test_no_recompilation_as_requests_come_and_go(runner, compile_counter):
     assert len(compile_counter) == before
 
 
+def test_warmup_fits_every_request_that_fits(runner, compile_counter):
+    rng = np.random.default_rng(7)
+    # prompt + 1 == context_length: the longest request the engine takes; it ends at prefill.
+    edge = Request(0, rng.integers(0, TINY.vocab_size, CONTEXT - 1).astype(np.int32), 1)
+    decodes = Request(1, rng.integers(0, TINY.vocab_size, 100).astype(np.int32), 6)  # the same prefill bucket
+    # R = 2: a decode shape no other test here compiles, so the count below sees this warm-up's work.
+    engine = Engine(runner, engine_config(HISPARSE, max_running_requests=2))
+    engine.warmup([edge])  # asked 2 tokens of every prompt: "needs 129 tokens > context_length 128"
+    result = engine.run([edge])
+    assert result.steps == []  # done at prefill
+    np.testing.assert_array_equal(result.tokens[0], generate(runner, edge.prompt[None], 1).tokens[0])
+    engine.warmup([edge, decodes])  # the bucket's first request does not decode; the run does
+    before = len(compile_counter)
+    result = engine.run([edge, decodes])
+    assert len(compile_counter) == before and len(result.steps) == 5
+    assert_everything_free(engine)
+
+
 @pytest.mark.parametrize("overlap", [0.0, 0.25, 0.9, 1.0])
 def test_synthetic_selection_overlap_is_its_parameter(overlap):
     K, C = 64, 600
     selector = SyntheticSelector(num_index_layers=2, num_requests=3, top_k=K, max_context=C, overlap=overlap, seed=1)
     positions = np.array([200, 400, -1])
+    previous, shared = None, 0  # shared: entries kept from the step before, counted here
     for _ in range(20):
         topk = np.asarray(selector.select(positions, [11, 12, 0]))
         for j in range(2):
             for r in range(2):
                 chosen = topk[j, r]
                 assert len(set(chosen)) == K and chosen.min() >= 0 and chosen.max() <= positions[r]
+                if previous is not None:
+                    shared += len(set(chosen) & set(previous[j, r]))
         assert (topk[:, 2] == -1).all()  # inactive slot
         positions = np.where(positions >= 0, positions + 1, -1)
+        previous = topk
+    assert shared == 19 * 2 * 2 * round(overlap * K)  # every step after the first, both layers and requests
     assert selector.measured_overlap == round(overlap * K) / K
     assert selector.compared_entries == 19 * 2 * 2 * K  # every step after the first, both layers and requests
 
@@ -222,7 +310,11 @@ def test_synthetic_contexts_decode_without_prefill(runner):
         assert result.summary["ttft_ms"] is None and result.summary["synthetic_context"]
         assert [len(result.tokens[r.id]) for r in requests] == [6, 6, 6]  # every token from a decode step
         assert len(result.steps) == 6 and result.summary["decode_throughput"] > 0
-        assert np.isfinite(np.asarray(engine.cache.kv.seq_lens)).all()
+        # The fill stored a row for each prompt position and each step one more, nothing else
+        # (unwritten rows are NaN): 6 rows past each prompt, in the host pool or the device KV.
+        rows = np.asarray(engine.cache.kv.host_pool if hisparse else engine.cache.kv.kv)
+        written = np.isfinite(rows).all(-1).reshape(TINY.num_layers, -1).sum(-1)  # per layer
+        np.testing.assert_array_equal(written, sum(r.prompt_len + 6 for r in requests))
         assert_everything_free(engine)
 
 

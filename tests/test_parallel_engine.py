@@ -1,8 +1,10 @@
 """The engine over data-parallel attention groups: requests spread over the groups, each group
-pages its own host pool block, tokens equal the single-device engine's, everything comes back."""
+pages its own host pool block, tokens equal the single-device engine's, everything comes back,
+after a failed run too."""
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from configs.model import DSAModelConfig
@@ -18,7 +20,7 @@ TINY = DSAModelConfig.tiny()
 HISPARSE = HiSparseConfig(top_k=16, device_buffer_size=20, host_to_device_ratio=8)
 
 
-def test_dp_attention_engine_equals_single_device():
+def test_dp_attention_engine_equals_single_device(monkeypatch):
     model = DSAForCausalLM(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(1)
     lengths = [(60, 10), (9, 12), (70, 4), (30, 9), (66, 7), (12, 11)]
@@ -28,6 +30,22 @@ def test_dp_attention_engine_equals_single_device():
     parallel = ParallelConfig(tp_size=4, dp_size=2, enable_dp_attention=True)
     engine = Engine(ModelRunner(model, prefill_chunk=32, parallel=parallel), config)
     assert isinstance(engine.scheduler, DataParallelScheduler) and len(engine.scheduler.groups) == 2
+    # A run failing at its second decode step, both groups busy, two requests waiting: every
+    # group gets its slots and pages back, and the run below is as on a fresh engine.
+    decode, calls = engine.runner.decode_step, []
+
+    def failing(*args):
+        calls.append(None)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return decode(*args)
+
+    monkeypatch.setattr(engine.runner, "decode_step", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.run(requests)
+    monkeypatch.undo()
+    assert engine.scheduler.all_free()
+    np.testing.assert_array_equal(np.asarray(engine.cache.kv.host_page_table), -1)
     result = engine.run(requests)
     for request in requests:
         np.testing.assert_array_equal(result.tokens[request.id], single.tokens[request.id], err_msg=f"request {request.id}")

@@ -123,10 +123,7 @@ class Engine:
             raise UsageError(f"hisparse_config top_k ({hisparse.top_k}) must equal the model's index_topk ({model.index_topk})")
         R, C = config.max_running_requests, config.context_length
         self.footprint = DeviceFootprint.of(model, runner.dtype, hisparse)
-        self.cache: DecodeCache = runner.create_cache(
-            num_requests=R, max_context=C, hisparse=hisparse, num_host_pages=config.num_host_pages,
-            page_size=config.page_size, fill_value=config.fill_value,
-        )  # fmt: skip
+        self.cache: DecodeCache = self._empty_cache()
         # Data-parallel attention (runner.mesh): each group schedules its own slots, host pool
         # block and share of the device budget, as SGLang's DP ranks do.
         groups = 1 if runner.mesh is None else runner.mesh.shape[REQUEST_AXIS]
@@ -155,6 +152,13 @@ class Engine:
         self.use_selection(config.synthetic_topk_overlap)
         self._fill = SyntheticFill(self.cache, implementation=runner.implementation, mesh=runner.mesh) if config.synthetic_context else None
         self._fill_key = jax.random.key(config.seed)
+
+    def _empty_cache(self) -> DecodeCache:
+        config = self.config
+        return self.runner.create_cache(
+            num_requests=config.max_running_requests, max_context=config.context_length, hisparse=config.hisparse,
+            num_host_pages=config.num_host_pages, page_size=config.page_size, fill_value=config.fill_value,
+        )  # fmt: skip
 
     def use_selection(self, synthetic_topk_overlap: float | None) -> None:
         """Decode top-k from the model's indexers (None) or the SYNTHETIC selector with this
@@ -204,6 +208,21 @@ class Engine:
         self.cache = DecodeCache(self._end(self.cache.kv, jnp.int32(slot)), self.cache.index_keys)
         self.scheduler.finish(slot)
 
+    def _abort(self) -> None:
+        """After a run failed: drops the waiting requests and retires every admitted one (slot,
+        host pages, device bytes, KV state), leaving the engine as a completed run would."""
+        slots = self.scheduler.running_slots()
+        for slot in slots:  # the pools first: pure bookkeeping, nothing here can fail
+            self.scheduler.finish(slot)
+        self.scheduler.waiting.clear()
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
+            # The failure came after the cache was donated (mid-prefill or mid-step): its arrays
+            # are gone, so start over from an empty one.
+            self.cache = self._empty_cache()
+        else:
+            for slot in slots:
+                self.cache = DecodeCache(self._end(self.cache.kv, jnp.int32(slot)), self.cache.index_keys)
+
     # ---- the loop -----------------------------------------------------------------------------------
 
     def run(
@@ -219,7 +238,11 @@ class Engine:
 
         arrivals: a source of requests that arrive while running (PD disaggregation's
         KVReceiver: `poll(timeout)` -> new requests, `closed` once no more come); the run then
-        also lasts until it is closed and everything it delivered finished."""
+        also lasts until it is closed and everything it delivered finished.
+
+        If anything raises mid-run, every request of the run is dropped or retired (slots, host
+        pages, device bytes, KV state) before the exception propagates: the next run starts on
+        an idle engine."""
         requests = list(requests)
         if not requests and arrivals is None:
             raise UsageError("no requests to run")
@@ -261,48 +284,53 @@ class Engine:
                 in_flight -= 1
             return done
 
-        while pending or in_flight or (arrivals is not None and not arrivals.closed):
-            if arrivals is not None:
-                idle = not pending and not in_flight  # nothing to do but wait for the next arrival
-                for request in arrivals.poll(timeout=0.05 if idle else None):
-                    self.scheduler.check(request)
-                    requests.append(request)
-                    pending.append(request)
-            while pending and in_flight < limit:
-                request = pending.popleft()
-                self.scheduler.submit(request)
-                traces[request.id] = RequestTrace(request.id, request.prompt_len, time.perf_counter() - start)
-                generated[request.id] = []
-                in_flight += 1
-            admitted = self.scheduler.admit()
-            for admission in admitted:
-                request, slot = admission.request, admission.slot
-                first = self._start(admission)
-                slot_ids[slot] = request.id
-                prefill_bar.update(1)
-                if first is None:  # synthetic context: no first token; the last prompt token stands in
-                    tokens[slot], positions[slot] = request.prompt[-1], request.prompt_len
-                elif not emit(request, slot, first, time.perf_counter() - start):
-                    tokens[slot], positions[slot] = first, request.prompt_len
-            active = np.flatnonzero(positions >= 0)
-            if active.size == 0:
-                if self.scheduler.waiting and not admitted:  # check() makes every request fit an idle engine
-                    raise RuntimeError("admission stalled with nothing running")
-                continue  # what was admitted finished at prefill (max_new_tokens 1 or EOS): admit again
-            begin = time.perf_counter()
-            topk = None if self.selector is None else self.selector.select(positions, slot_ids)
-            self.cache, logits, telemetry = self.runner.decode_step(self.cache, tokens, positions, topk)
-            next_tokens = np.asarray(self._argmax(logits))  # i32[R]
-            hits, misses = (int(x) for x in self._count(telemetry))
-            end = time.perf_counter()
-            steps.append(StepRecord(end - start, end - begin, int(active.size), hits, misses, misses * self.footprint.row_bytes))
-            for slot in active:
-                token = int(next_tokens[slot])
-                if not emit(self.scheduler.running_request(slot), slot, token, end - start):
-                    tokens[slot], positions[slot] = token, positions[slot] + 1
+        try:
+            while pending or in_flight or (arrivals is not None and not arrivals.closed):
+                if arrivals is not None:
+                    idle = not pending and not in_flight  # nothing to do but wait for the next arrival
+                    for request in arrivals.poll(timeout=0.05 if idle else None):
+                        self.scheduler.check(request)
+                        requests.append(request)
+                        pending.append(request)
+                while pending and in_flight < limit:
+                    request = pending.popleft()
+                    self.scheduler.submit(request)
+                    traces[request.id] = RequestTrace(request.id, request.prompt_len, time.perf_counter() - start)
+                    generated[request.id] = []
+                    in_flight += 1
+                admitted = self.scheduler.admit()
+                for admission in admitted:
+                    request, slot = admission.request, admission.slot
+                    first = self._start(admission)
+                    slot_ids[slot] = request.id
+                    prefill_bar.update(1)
+                    if first is None:  # synthetic context: no first token; the last prompt token stands in
+                        tokens[slot], positions[slot] = request.prompt[-1], request.prompt_len
+                    elif not emit(request, slot, first, time.perf_counter() - start):
+                        tokens[slot], positions[slot] = first, request.prompt_len
+                active = np.flatnonzero(positions >= 0)
+                if active.size == 0:
+                    if self.scheduler.waiting and not admitted:  # check() makes every request fit an idle engine
+                        raise RuntimeError("admission stalled with nothing running")
+                    continue  # what was admitted finished at prefill (max_new_tokens 1 or EOS): admit again
+                begin = time.perf_counter()
+                topk = None if self.selector is None else self.selector.select(positions, slot_ids)
+                self.cache, logits, telemetry = self.runner.decode_step(self.cache, tokens, positions, topk)
+                next_tokens = np.asarray(self._argmax(logits))  # i32[R]
+                hits, misses = (int(x) for x in self._count(telemetry))
+                end = time.perf_counter()
+                steps.append(StepRecord(end - start, end - begin, int(active.size), hits, misses, misses * self.footprint.row_bytes))
+                for slot in active:
+                    token = int(next_tokens[slot])
+                    if not emit(self.scheduler.running_request(slot), slot, token, end - start):
+                        tokens[slot], positions[slot] = token, positions[slot] + 1
+        except BaseException:  # interrupts too: a run never keeps slots or pages after it ends
+            self._abort()
+            raise
+        finally:
+            prefill_bar.close()
+            decode_bar.close()
         duration = time.perf_counter() - start
-        prefill_bar.close()
-        decode_bar.close()
 
         ordered = [traces[r.id] for r in requests]
         summary = summarize(steps, ordered, duration, measure_ttft=not self.config.synthetic_context)
@@ -320,7 +348,12 @@ class Engine:
             self.scheduler.check(request)
         chunk = self.runner.prefill_chunk
         by_bucket = {}
-        for request in requests:
-            by_bucket.setdefault(padded_prompt_length(request.prompt_len, chunk), request)
-        warm = [Request(i, r.prompt, 2) for i, r in enumerate(by_bucket.values())]
+        for request in requests:  # per prompt bucket one request, one that decodes if any does
+            bucket = padded_prompt_length(request.prompt_len, chunk)
+            if bucket not in by_bucket or by_bucket[bucket].max_new_tokens < 2 <= request.max_new_tokens:
+                by_bucket[bucket] = request
+        # A warm request fits wherever its real one does: 2 tokens where that one makes at least 2,
+        # else 1 (it ends at prefill). Some warm request decodes whenever a real one would, so the
+        # decode step is compiled whenever the run needs it.
+        warm = [Request(i, r.prompt, min(2, r.max_new_tokens)) for i, r in enumerate(by_bucket.values())]
         self.run(warm, max_concurrency=1)

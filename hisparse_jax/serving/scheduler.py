@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 from typing import NamedTuple
 
 import numpy as np
@@ -90,7 +91,7 @@ class Scheduler:
         self.kv_budget_bytes = kv_budget_bytes
         self.host_pages = host_pages
         self.waiting: collections.deque[Request] = collections.deque()
-        self._free_slots = list(range(num_slots - 1, -1, -1))  # lowest slot handed out first
+        self._free_slots = list(range(num_slots))  # a min-heap: lowest slot handed out first
         self._running: dict[int, _Running] = {}
         self.device_bytes_in_use = 0
 
@@ -142,7 +143,7 @@ class Scheduler:
         while self.waiting and self._fits(self.waiting[0]):
             request = self.waiting.popleft()
             pages = None if self.host_pages is None else self.host_pages.allocate(request.max_tokens)
-            slot = self._free_slots.pop()
+            slot = heapq.heappop(self._free_slots)
             need = self.footprint.request_bytes(request.max_tokens)
             self.device_bytes_in_use += need
             self._running[slot] = _Running(request, pages, need)
@@ -155,14 +156,17 @@ class Scheduler:
         if running.host_pages is not None:
             self.host_pages.free(running.host_pages)
         self.device_bytes_in_use -= running.device_bytes
-        self._free_slots.append(slot)
-        self._free_slots.sort(reverse=True)
+        heapq.heappush(self._free_slots, slot)
         return running.request
 
+    def running_slots(self) -> list[int]:
+        """Slots with a request running, lowest first."""
+        return sorted(self._running)
+
     def all_free(self) -> bool:
-        """True when nothing runs and every slot, host page and device byte is back."""
+        """True when nothing waits or runs and every slot, host page and device byte is back."""
         pages_free = self.host_pages is None or self.host_pages.num_free == self.host_pages.num_pages
-        return not self._running and len(self._free_slots) == self.num_slots and pages_free and self.device_bytes_in_use == 0
+        return not self.waiting and not self._running and len(self._free_slots) == self.num_slots and pages_free and self.device_bytes_in_use == 0
 
 
 class DataParallelScheduler:
@@ -230,6 +234,9 @@ class DataParallelScheduler:
     def finish(self, slot: int) -> Request:
         group, local = self._split(slot)
         return group.finish(local)
+
+    def running_slots(self) -> list[int]:
+        return [i * self.slots_per_group + s for i, g in enumerate(self.groups) for s in g.running_slots()]
 
     def all_free(self) -> bool:
         return not self.waiting and all(g.all_free() for g in self.groups)
