@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -56,12 +57,15 @@ class _NoBar:
 
 
 def _bar(enabled: bool, **kwargs):
-    """A tqdm progress bar, or nothing; tqdm is imported only when shown (benchmark machines
-    without it still run the engine)."""
+    """A tqdm progress bar, or nothing; tqdm (the `serving` extra) is imported only when shown,
+    and without it the run goes on with a one-time warning instead of bars."""
     if not enabled:
         return _NoBar()
-    from tqdm import tqdm
-
+    try:
+        from tqdm import tqdm
+    except ModuleNotFoundError:
+        warnings.warn("progress bars need tqdm (pip install -e '.[serving]'); running without them", stacklevel=3)
+        return _NoBar()
     return tqdm(leave=False, **kwargs)
 
 
