@@ -345,7 +345,13 @@ class HiSparseState:
             implementation=implementation,
             rows_per_program=self.copy_rows_per_program,
         )
-        return self.replace(device_buffer=device_buffer)
+        # The copy reads the pool that backup_newest then writes in place (an aliased Pallas
+        # output). Nothing else orders that write after this read, and where XLA schedules it
+        # first it must keep the old pool alive: it copies the whole pinned pool (GBs through
+        # PCIe, ~0.3 s per copy on the H200; seen with a top-k override). Passing the pool
+        # through one barrier with the copy's output makes every later write wait for the copy.
+        device_buffer, host_pool = jax.lax.optimization_barrier((device_buffer, self.host_pool))
+        return self.replace(device_buffer=device_buffer, host_pool=host_pool)
 
     def backup_newest(self, layer, new_row, positions, *, implementation=None) -> "HiSparseState":
         """Writes new_row row[R, W] to its host slot (eager backup); positions i32[R], -1 skipped."""

@@ -17,8 +17,9 @@ import pytest
 from flax import nnx
 
 from configs.model import DSAModelConfig
+from hisparse_jax import memory
 from hisparse_jax.config import HiSparseConfig
-from models.decoder import forward
+from models.decoder import DSAForCausalLM, forward
 from models.decoding import ModelRunner, create_cache, generate
 from models.loading import load_hf_checkpoint
 
@@ -172,3 +173,20 @@ def test_run_decode_reproduces_the_fixture(tmp_path):
         assert data["tokens"].dtype == np.int32 and data["logits"].dtype == np.float32
         np.testing.assert_array_equal(data["tokens"], golden["greedy_tokens"])
         assert_logits_close(data["logits"], golden["greedy_logits"])
+
+
+@pytest.mark.parametrize("implementation, override", [("reference", False), ("pallas", True)])
+def test_compiled_decode_step_holds_no_copy_of_the_host_pool(implementation, override):
+    # The swap-in copy reads the pool that the backup then writes in place; unless that write
+    # is ordered after the read, XLA keeps the old pool alive by copying all of it every step
+    # (on the H200: 2 x 7.1 GB per step, 1.9 s instead of 9 ms, with a top-k override).
+    config = DSAModelConfig.tiny()
+    runner = ModelRunner(DSAForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0)), implementation=implementation)
+    cache = runner.create_cache(num_requests=4, max_context=128, hisparse=HiSparseConfig(top_k=config.index_topk), page_size=16)
+    topk = jnp.zeros((len(config.full_indexer_layers), 4, config.index_topk), jnp.int32) if override else None
+    tokens = jnp.zeros(4, jnp.int32)
+    compiled = runner._jitted(cache)["decode"].lower(runner.params, cache, tokens, tokens, topk).compile().as_text()
+    pool = cache.kv.host_pool
+    shape = f"{jnp.dtype(pool.dtype).name.replace('float', 'f')}[{','.join(map(str, pool.shape))}]"
+    assert shape in compiled
+    assert memory.hlo_copy_lines(compiled, shape) == []
