@@ -6,7 +6,7 @@
     python run_decode.py --checkpoint=DIR --prompts=prompts.npz --output=out.npz --max_new_tokens=32
 
 Flags follow SGLang (server: --enable-hisparse, --hisparse-config, --context-length,
---max-running-requests, --dtype; bench_serving: --num-prompts, --random-input-len,
+--max-running-requests, --dtype, --kv-cache-dtype; bench_serving: --num-prompts, --random-input-len,
 --random-output-len, --random-range-ratio, --max-concurrency, --seed) with underscores.
 Serving writes results.json and PNG plots to --output_dir and prints a summary; checkpoint
 decoding (--prompts/--output) writes `tokens` int32 [B, N] and `logits` float32 [B, N, vocab].
@@ -44,6 +44,11 @@ _KV_BUDGET_GB = flags.DEFINE_float(
     " --max_running_requests HiSparse requests of --context_length need.",
 )  # fmt: skip
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Param and KV dtype: bfloat16 or float32.")
+_KV_CACHE_DTYPE = flags.DEFINE_string(
+    "kv_cache_dtype", "auto",
+    "As SGLang's --kv-cache-dtype: auto (= --dtype), bfloat16, or fp8_e4m3 (fp8 KV rows and fp8 indexer keys with a"
+    " float32 scale per key).",
+)  # fmt: skip
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 16, "Requests in the random workload.")
 _RANDOM_INPUT_LEN = flags.DEFINE_integer("random_input_len", 224, "Longest prompt.")
 _RANDOM_OUTPUT_LEN = flags.DEFINE_integer("random_output_len", 32, "Longest output.")
@@ -117,6 +122,7 @@ def main(argv):
             job = validation.check_checkpoint_decode(
                 _CHECKPOINT.value, _PROMPTS.value, _OUTPUT.value, max_new_tokens=_MAX_NEW_TOKENS.value,
                 dtype=_DTYPE.value, enable_hisparse=_ENABLE_HISPARSE.value, hisparse_config=_HISPARSE_CONFIG.value,
+                kv_cache_dtype=_KV_CACHE_DTYPE.value,
             )  # fmt: skip
         else:
             devices = _TP_SIZE.value if _ENABLE_DP_ATTENTION.value else _TP_SIZE.value * _DP_SIZE.value
@@ -136,6 +142,7 @@ def main(argv):
             model=_MODEL.value, checkpoint=_CHECKPOINT.value, enable_hisparse=_ENABLE_HISPARSE.value,
             hisparse_config=_HISPARSE_CONFIG.value, context_length=_CONTEXT_LENGTH.value,
             max_running_requests=_MAX_RUNNING_REQUESTS.value, kv_budget_gb=_KV_BUDGET_GB.value, dtype=_DTYPE.value,
+            kv_cache_dtype=_KV_CACHE_DTYPE.value,
             num_prompts=_NUM_PROMPTS.value, random_input_len=_RANDOM_INPUT_LEN.value,
             random_output_len=_RANDOM_OUTPUT_LEN.value, random_range_ratio=_RANDOM_RANGE_RATIO.value,
             max_concurrency=validation.parse_int_list("--max_concurrency", _MAX_CONCURRENCY.value), seed=_SEED.value,

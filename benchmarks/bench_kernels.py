@@ -3,14 +3,17 @@
     python benchmarks/bench_kernels.py --out=/tmp/bench.json
 
 1. Checks, on fresh random inputs at the benchmark sizes: swap-in plan kernel == jnp reference
-   (bit-exact, every field), copy kernel == reference, attention kernel vs f32 reference; and
-   that the compiled swap-in holds no copy of the pinned host pool.
+   (bit-exact, every field), copy kernels == reference (bf16 rows and packed fp8 rows),
+   attention kernel vs f32 reference (bf16 and fp8 rows); and that the compiled swap-in holds no
+   copy of the pinned host pool.
 2. Swap-in per layer: batch {1, 16, 64, 256}, top_k 2048, B 4096, bf16 576-wide rows (1152 B),
    context 32768, misses {0, 5%, 20%, 100%} of top_k and the fast path. Pool = batch x 32768 rows
    in pinned host memory, hosts pages randomly permuted. Before each launch: L2 flushed (a
    256 MB read-modify-write), state restored, a different top-k.
-3. Sparse MLA attention: batch {16, 64, 128}, heads {64, 128}, top_k 2048; XLA's jnp reference
-   timed the same way as the in-run baseline.
+3. Sparse MLA attention: batch {16, 64, 128}, heads {64, 128}, top_k 2048, bf16 rows; fp8 rows
+   (FlashMLA's 656 B layout, dequantised in the kernel) at --fp8_sizes (batch 128 x 128 heads),
+   with the same FLOP count and the kernel checked against the reference on the timed inputs;
+   XLA's jnp reference timed the same way as the in-run baseline.
 
 Timing: N launches unrolled in one jit, separated by optimisation barriers; the same jit
 without the measured op is timed too and subtracted, so dispatch, the L2 flush and the restore
@@ -36,6 +39,7 @@ from absl import app, flags  # noqa: E402
 
 from benchmarks.swap_in_workload import make_workload  # noqa: E402
 from hisparse_jax import memory  # noqa: E402
+from hisparse_jax.row_layout import KVRowLayout  # noqa: E402
 from pallas_kernels import row_copy, sparse_mla_attention, swap_in  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -46,6 +50,8 @@ flags.DEFINE_list("batches", ["1", "16", "64", "256"], "Swap-in batch sizes.")
 flags.DEFINE_bool("tune", True, "Also time alternative launch shapes.")
 flags.DEFINE_list("sections", ["check", "swap_in", "attention"], "What to run.")
 flags.DEFINE_bool("smoke", False, "Tiny sizes, to try the script itself on a CPU (interpret mode).")
+flags.DEFINE_list("fp8_sizes", ["128x128"], "batch x heads at which attention over fp8 rows is timed too.")
+flags.DEFINE_list("attention_batches", ["16", "64", "128"], "Attention batch sizes (bf16 rows).")
 
 TOP_K, BUFFER, CONTEXT, LATENT, ROPE = 2048, 4096, 32768, 512, 64
 WIDTH = LATENT + ROPE
@@ -145,21 +151,67 @@ def check_copy(rng):
     return bool(np.array_equal(ref, got)) and bool(np.array_equal(w_ref, w_got))
 
 
-def check_attention(rng, R, H):
-    kv = jnp.asarray(rng.standard_normal((1, R, BUFFER + 1, WIDTH)), jnp.bfloat16)
+def layout_of(rows: str) -> KVRowLayout:
+    return KVRowLayout(LATENT, ROPE, rows)
+
+
+def random_kv(key, R, rows: str):
+    """row[1, R, B + 1, W] of random values in the `rows` layout ("bfloat16" or "fp8_e4m3"),
+    made on the device (fp8: quantised from f32 values)."""
+    layout = layout_of(rows)
+
+    @jax.jit
+    def make(k):
+        values = jax.random.normal(k, (1, R, BUFFER + 1, WIDTH), jnp.float32)
+        return layout.pack(values[..., :LATENT], values[..., LATENT:])
+
+    return make(key)
+
+
+def attention_error(q, kv, slots, layout, scale):
+    """Relative L2 error of the Pallas kernel against the f32 reference, and whether the output
+    is finite (slots row 1 is all -1: zeros expected there)."""
+    attend = lambda impl: jax.jit(  # noqa: E731
+        functools.partial(sparse_mla_attention.sparse_mla_attention, latent_dim=LATENT, sm_scale=scale, layout=layout, implementation=impl),
+        static_argnums=2,
+    )(q, kv, 0, slots)
+    got, ref = np.asarray(attend("pallas")), np.asarray(attend("reference"))
+    rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+    return rel, bool(np.all(np.isfinite(got))) and not np.any(got[1])
+
+
+def check_attention(rng, R, H, rows="bfloat16"):
+    kv = random_kv(jax.random.key(int(rng.integers(1 << 30))), R, rows)
     q = jnp.asarray(rng.standard_normal((R, H, WIDTH)), jnp.bfloat16)
     slots = np.stack([rng.choice(BUFFER + 1, TOP_K, replace=False) for _ in range(R)]).astype(np.int32)
     slots[0, 100:] = -1
     slots[1, :] = -1
-    scale = 1.0 / np.sqrt(192.0)
-    ref = sparse_mla_attention.sparse_mla_attention(q, kv, 0, jnp.asarray(slots), latent_dim=LATENT, sm_scale=scale, implementation="reference")
-    got = jax.jit(
-        functools.partial(sparse_mla_attention.sparse_mla_attention, latent_dim=LATENT, sm_scale=scale, implementation="pallas"),
-        static_argnums=2,
-    )(q, kv, 0, jnp.asarray(slots))
-    got, ref = np.asarray(got), np.asarray(ref)
-    rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-    return bool(np.all(np.isfinite(got))) and rel < 1e-2 and not np.any(got[1]), rel
+    rel, sane = attention_error(q, kv, jnp.asarray(slots), layout_of(rows), 1.0 / np.sqrt(192.0))
+    return sane and rel < 1e-2, rel
+
+
+def check_fp8_copy(rng):
+    """Packed fp8 rows (uint32 words, W = 164 for 512 + 64) copied by both kernels, bit-exact."""
+    layout = layout_of("fp8_e4m3")
+    R, K, S = (8, 256, 50_000) if not FLAGS.smoke else (2, 8, 300)
+    pack = jax.jit(lambda v: layout.pack(v[..., :LATENT], v[..., LATENT:]))
+    pool = pinned(pack(jnp.asarray(rng.standard_normal((1, S, WIDTH)), jnp.float32)))
+    buf0 = jnp.full((1, R, BUFFER + 1, layout.width), 0xFFFFFFFF, jnp.uint32)
+    num = jnp.asarray(rng.integers(1, K + 1, R), jnp.int32)
+    host = jnp.asarray(np.stack([rng.choice(S, K, replace=False) for _ in range(R)]), jnp.int32)
+    dev = jnp.asarray(np.stack([rng.choice(BUFFER + 1, K, replace=False) for _ in range(R)]), jnp.int32)
+    copy = lambda impl, buf: jax.jit(  # noqa: E731
+        functools.partial(row_copy.copy_host_rows_to_buffer, implementation=impl), static_argnums=2
+    )(pool, buf, 0, host, dev, num)
+    ok = bool(np.array_equal(np.asarray(copy("reference", buf0)), np.asarray(copy("pallas", jnp.copy(buf0)))))
+    rows = pack(jnp.asarray(rng.standard_normal((R, WIDTH)), jnp.float32))
+    slots = jnp.asarray(rng.choice(S, R, replace=False), jnp.int32)
+    write = jax.jit(
+        functools.partial(row_copy.write_rows_to_host, implementation="pallas"),
+        static_argnums=1, donate_argnums=0, out_shardings=memory.sharding(memory.PINNED_HOST),
+    )
+    written = np.asarray(write(pinned(jnp.asarray(np.asarray(pool))), 0, rows, slots))
+    return ok and bool(np.array_equal(written[0, np.asarray(slots)], np.asarray(rows)))
 
 
 def check_no_pool_copy(rng):
@@ -206,11 +258,13 @@ def run_checks():
             return {"ok": ok, "rows_copied": copied}
         attempt(f"swap_in_plan R{R} B{B} K{K} misses{m}", plan_check)
     attempt("row_copies", lambda: {"ok": check_copy(rng)})
-    for R, H in [(4, 128), (3, 64)]:
-        def attention_check(R=R, H=H):
-            ok, rel = check_attention(rng, R, H)
-            return {"ok": ok, "relative_error": rel}
-        attempt(f"attention R{R} H{H}", attention_check)
+    attempt("row_copies fp8_e4m3", lambda: {"ok": check_fp8_copy(rng)})
+    for rows in ("bfloat16", "fp8_e4m3"):
+        for R, H in [(4, 128), (3, 64)]:
+            def attention_check(R=R, H=H, rows=rows):
+                ok, rel = check_attention(rng, R, H, rows)
+                return {"ok": ok, "relative_error": rel}
+            attempt(f"attention {rows} R{R} H{H}", attention_check)
 
     def hlo_check():
         ok, info = check_no_pool_copy(rng)
@@ -337,7 +391,7 @@ def bench_swap_in_batch(rng, R, key):
 # ----------------------------------------------------------------------------------------------
 
 
-def attention_loop(kind, iters, scale, tuning):
+def attention_loop(kind, iters, scale, tuning, layout=None):
     def loop(flush, q, kv, slots_sets, zero):
         checksum = jnp.float32(0)
         for i in range(iters):
@@ -346,7 +400,7 @@ def attention_loop(kind, iters, scale, tuning):
             flush, slots, q = jax.lax.optimization_barrier((flush, slots, q))
             if kind != "base":
                 out = sparse_mla_attention.sparse_mla_attention(
-                    q, kv, 0, slots, latent_dim=LATENT, sm_scale=scale, implementation=kind, **tuning
+                    q, kv, 0, slots, latent_dim=LATENT, sm_scale=scale, layout=layout, implementation=kind, **tuning
                 )
                 checksum += out[0, 0, 0]
             flush, checksum = jax.lax.optimization_barrier((flush, checksum))
@@ -363,37 +417,63 @@ def run_attention():
     tunings = [{}]
     if FLAGS.tune:
         tunings += [dict(block_h=64, block_k=64, num_warps=8, num_stages=2)]
-    for R in (16, 64, 128) if not FLAGS.smoke else (2,):
-        kv = jnp.asarray(rng.standard_normal((1, R, BUFFER + 1, WIDTH)), jnp.bfloat16)
+    fp8_sizes = {tuple(map(int, size.split("x"))) for size in FLAGS.fp8_sizes}
+    bf16_batches = set(map(int, FLAGS.attention_batches))
+    for R in sorted(bf16_batches | {R for R, _ in fp8_sizes}):
         slots_sets = jnp.asarray(np.stack([[rng.choice(BUFFER + 1, TOP_K, replace=False) for _ in range(R)] for _ in range(3)]), jnp.int32)
-        for H in (64, 128) if not FLAGS.smoke else (4,):
-            q = jnp.asarray(rng.standard_normal((R, H, WIDTH)), jnp.bfloat16)
-            flops = 2 * R * H * TOP_K * (WIDTH + LATENT)
-            bytes_moved = R * TOP_K * ROW_BYTES + R * H * (WIDTH * 2 + LATENT * 4)
-            base = attention_loop("base", FLAGS.iters, scale, {})
-            flush, _ = base(flush, q, kv, slots_sets, zero)
-            for kind, tuning in [("pallas", t) for t in tunings] + [("reference", {})]:
-                entry = {"batch": R, "heads": H, "implementation": kind, "tuning": tuning}
-                try:
-                    fn = attention_loop(kind, FLAGS.iters, scale, tuning)
-                    flush, c = fn(flush, q, kv, slots_sets, zero)
+        for rows in ("bfloat16", "fp8_e4m3"):
+            # bf16 rows at every size, fp8 rows at fp8_sizes (with the bf16 row beside each).
+            heads = [H for H in ((64, 128) if not FLAGS.smoke else (4,)) if (R, H) in fp8_sizes or (rows == "bfloat16" and R in bf16_batches)]
+            if heads:
+                flush = attention_cases(rng, R, heads, rows, slots_sets, tunings, scale, zero, flush)
+
+
+def attention_cases(rng, R, heads, rows, slots_sets, tunings, scale, zero, flush):
+    """Times the attention over `rows` rows ("bfloat16" / "fp8_e4m3") at batch R for each of
+    `heads` (Pallas per tuning, then the jnp reference), after checking the kernel against the
+    reference on the same inputs. Returns the (donated, re-made) flush buffer."""
+    layout = layout_of(rows)
+    if layout.quantized and FLAGS.tune:  # 64 x 64 blocks with 2 stages exceed shared memory for fp8 rows
+        tunings = [{}, dict(block_h=64, block_k=64, num_warps=8, num_stages=1)]
+    kv = random_kv(jax.random.key(R), R, rows)
+    for H in heads:
+        q = jnp.asarray(rng.standard_normal((R, H, WIDTH)), jnp.bfloat16)
+        flops = 2 * R * H * TOP_K * (WIDTH + LATENT)  # the same for every row layout
+        bytes_moved = R * TOP_K * layout.bytes_per_row + R * H * (WIDTH * 2 + LATENT * 4)
+        try:
+            rel, sane = attention_error(q, kv, slots_sets[0].at[1].set(-1), layout, scale)
+            check = {"check_ok": sane and rel < 1e-2, "relative_error_vs_reference": rel}
+        except Exception as e:
+            check = {"check_ok": False, "check_error": f"{type(e).__name__}: {str(e)[:300]}"}
+            RESULTS["errors"].append(traceback.format_exc()[-2000:])
+        base = attention_loop("base", FLAGS.iters, scale, {})
+        flush, _ = base(flush, q, kv, slots_sets, zero)
+        for kind, tuning in [("pallas", t) for t in tunings] + [("reference", {})]:
+            entry = {"batch": R, "heads": H, "rows": rows, "row_bytes": layout.bytes_per_row, "implementation": kind, "tuning": tuning}
+            if kind == "pallas":
+                entry.update(check)
+            try:
+                fn = attention_loop(kind, FLAGS.iters, scale, tuning, layout)
+                flush, c = fn(flush, q, kv, slots_sets, zero)
+                c.block_until_ready()
+                box = {"flush": flush}
+
+                def run(f):
+                    box["flush"], c = f(box["flush"], q, kv, slots_sets, zero)
                     c.block_until_ready()
-                    box = {"flush": flush}
 
-                    def run(f):
-                        box["flush"], c = f(box["flush"], q, kv, slots_sets, zero)
-                        c.block_until_ready()
-
-                    med, diffs = median_difference(lambda: run(fn), lambda: run(base), FLAGS.reps)
-                    flush = box["flush"]
-                    t = med / FLAGS.iters
-                    entry.update(us=t * 1e6, TFLOPs=flops / t / 1e12, GBps=bytes_moved / t / 1e9, spread_us=(max(diffs) - min(diffs)) / FLAGS.iters * 1e6)
-                except Exception as e:
-                    entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    RESULTS["errors"].append(traceback.format_exc()[-2000:])
-                RESULTS["attention"].append(entry)
-                log("  " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in entry.items()}))
-                save()
+                med, diffs = median_difference(lambda: run(fn), lambda: run(base), FLAGS.reps)
+                flush = box["flush"]
+                t = med / FLAGS.iters
+                entry.update(us=t * 1e6, TFLOPs=flops / t / 1e12, GBps=bytes_moved / t / 1e9, spread_us=(max(diffs) - min(diffs)) / FLAGS.iters * 1e6)
+            except Exception as e:
+                entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                RESULTS["errors"].append(traceback.format_exc()[-2000:])
+                flush = jnp.zeros((FLUSH_WORDS,), jnp.int32)  # the failed call may have consumed (donated) it
+            RESULTS["attention"].append(entry)
+            log("  " + json.dumps({k: (float(f"{v:.3g}") if isinstance(v, float) else v) for k, v in entry.items()}))
+            save()
+    return flush
 
 
 def main(_):
@@ -402,6 +482,7 @@ def main(_):
         TOP_K, BUFFER, CONTEXT, LATENT, ROPE, FLUSH_WORDS = 16, 24, 256, 32, 16, 1024
         WIDTH = LATENT + ROPE
         ROW_BYTES = WIDTH * 2
+        FLAGS.fp8_sizes, FLAGS.attention_batches = ["2x4"], ["2"]
     RESULTS["device"] = str(jax.devices()[0].device_kind)
     RESULTS["jax"] = jax.__version__
     log(f"devices: {jax.devices()}  jax {jax.__version__}")

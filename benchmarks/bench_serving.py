@@ -12,7 +12,10 @@ key cache (hisparse_jax.serving.synthetic_fill), as a PD decode instance receive
 prefill stays out of the timing. Selection: the random-weight indexers' own top-k ("model"),
 then, labelled apart, the SYNTHETIC selector with --synthetic_topk_overlap.
 Budget: both modes get the same device KV budget (rows + indexer keys), by default that of an
-H200 serving DeepSeek-V3.2 FP8 at TP8 (see KV_BUDGET_NOTE), pro rata for our layers. Each mode
+H200 serving DeepSeek-V3.2 FP8 at TP8 (see KV_BUDGET_NOTE), pro rata for our layers, counted in
+--kv_cache_dtype's bytes (fp8_e4m3: 656 B rows, 128 + 4 B keys); `setup.capacity_at_32k` reports,
+without running anything, how many 32k-token requests that budget holds with bf16 and with fp8
+rows and keys (DeviceFootprint). Each mode
 runs with as many request slots as its budget holds (its capacity); HiSparse's host pool is
 host_to_device_ratio (8) x its device pool (slots x B rows per layer).
 
@@ -52,6 +55,7 @@ from hisparse_jax.serving.engine import Engine, EngineConfig  # noqa: E402
 from hisparse_jax.serving.workload import Request  # noqa: E402
 from hisparse_jax.serving.scheduler import DeviceFootprint  # noqa: E402
 from hisparse_jax.serving.telemetry import write_json  # noqa: E402
+from hisparse_jax.serving.validation import KV_CACHE_DTYPE_NAMES  # noqa: E402
 from models.decoder import DSAForCausalLM  # noqa: E402
 from models.decoding import ModelRunner  # noqa: E402
 
@@ -64,6 +68,7 @@ flags.DEFINE_integer("context", 32768, "Tokens per request at the end of the run
 flags.DEFINE_integer("warm_steps", 4, "Untimed decode steps per point (the first demand-loads the buffer).")
 flags.DEFINE_integer("steps", 12, "Timed decode steps per point.")
 flags.DEFINE_string("hisparse_config", '{"top_k": 2048, "device_buffer_size": 4096, "host_to_device_ratio": 8}', "As SGLang.")
+flags.DEFINE_enum("kv_cache_dtype", "auto", list(KV_CACHE_DTYPE_NAMES), "As SGLang's --kv-cache-dtype (auto: bf16, the model's).")
 flags.DEFINE_float("kv_budget_gb_per_layer", None, "Device KV budget per layer (default: KV_BUDGET_NOTE; smoke: 0.00025).")
 flags.DEFINE_float("synthetic_topk_overlap", 0.9, "Overlap of the SYNTHETIC selection phase (negative: skip it).")
 flags.DEFINE_list("phases", ["model", "synthetic", "equal_slots"], "What to run, in this order after the headline.")
@@ -123,9 +128,10 @@ def build() -> Setup:
         hisparse = HiSparseConfig(top_k=config.index_topk, device_buffer_size=2 * config.index_topk, host_to_device_ratio=8)
     per_layer_gb = FLAGS.kv_budget_gb_per_layer or (SMOKE_KV_BUDGET_GB_PER_LAYER if FLAGS.smoke else KV_BUDGET_GB_PER_LAYER)
     budget = int(per_layer_gb * 1e9 * config.num_layers)
+    kv_cache_dtype = FLAGS.kv_cache_dtype
     capacity = {
-        "hisparse": DeviceFootprint.of(config, dtype, hisparse).capacity(budget, context),
-        "baseline": DeviceFootprint.of(config, dtype, None).capacity(budget, context),
+        "hisparse": DeviceFootprint.of(config, dtype, hisparse, kv_cache_dtype).capacity(budget, context),
+        "baseline": DeviceFootprint.of(config, dtype, None, kv_cache_dtype).capacity(budget, context),
     }
     if min(capacity.values()) < 1:
         raise ValueError(f"the budget holds no request: {capacity}")
@@ -135,26 +141,42 @@ def build() -> Setup:
     jax.block_until_ready(nnx.state(model))
     log(f"random weights built in {time.perf_counter() - t:.1f}s")
     B = hisparse.device_buffer_size
-    row_bytes, key_bytes = DeviceFootprint.of(config, dtype, None).row_bytes, DeviceFootprint.of(config, dtype, None).key_bytes
+    footprint = DeviceFootprint.of(config, dtype, None, kv_cache_dtype)
+    row_bytes, key_bytes = footprint.row_bytes, footprint.key_bytes
     RESULTS["setup"] = dict(
         model=dict(base="deepseek_v32", weights="random", num_layers=config.num_layers, num_heads=config.num_heads,
                    hidden_size=config.hidden_size, kv_row_width=config.kv_row_width, index_n_heads=config.index_n_heads,
                    index_head_dim=config.index_head_dim, index_topk=config.index_topk,
-                   n_routed_experts=config.n_routed_experts, vocab_size=config.vocab_size, dtype="bfloat16"),
+                   n_routed_experts=config.n_routed_experts, vocab_size=config.vocab_size, dtype="bfloat16",
+                   kv_cache_dtype=kv_cache_dtype),
         contexts=(f"SYNTHETIC: {context}-token contexts ({context - FLAGS.warm_steps - FLAGS.steps} prompt tokens of random KV"
                   " rows written straight into the host pool / the baseline's device KV, random indexer keys; no prefill)"),
         hisparse_config=json.loads(hisparse.to_json()),
         kv_budget=dict(bytes=budget, gb_per_layer=per_layer_gb, note="smoke" if FLAGS.smoke else KV_BUDGET_NOTE,
-                       counts=f"bf16 KV rows ({row_bytes} B) + bf16 indexer keys ({key_bytes} B), per token and layer"),
+                       counts=f"{kv_cache_dtype} KV rows ({row_bytes} B) + indexer keys ({key_bytes} B), per token and layer"),
         capacity=capacity,
+        capacity_at_32k=capacity_at(config, dtype, hisparse, budget, 32768),
         host_pool=dict(rows_per_layer=hisparse.host_to_device_ratio * capacity["hisparse"] * B,
                        bytes=hisparse.host_to_device_ratio * capacity["hisparse"] * B * row_bytes * config.num_layers,
                        rule="host_to_device_ratio x HiSparse's device pool (slots x device_buffer_size rows per layer)"),
         warm_steps=FLAGS.warm_steps, timed_steps=FLAGS.steps,
     )  # fmt: skip
     log("capacity under the budget:", capacity)
+    log("at 32k tokens:", {k: {m: v[m] for m in ("hisparse", "baseline")} for k, v in RESULTS["setup"]["capacity_at_32k"].items() if isinstance(v, dict)})
     save()
-    return Setup(ModelRunner(model), hisparse, context, context - FLAGS.warm_steps - FLAGS.steps, budget, capacity)
+    return Setup(ModelRunner(model, kv_cache_dtype=kv_cache_dtype), hisparse, context, context - FLAGS.warm_steps - FLAGS.steps, budget, capacity)
+
+
+def capacity_at(config: DSAModelConfig, dtype, hisparse: HiSparseConfig, budget: int, tokens: int) -> dict:
+    """Requests of `tokens` tokens the budget holds, per kv_cache_dtype and mode (DeviceFootprint:
+    no run), with the bytes per token and layer that decide it."""
+    out = dict(tokens=tokens, budget_bytes=budget)
+    for name in ("bfloat16", "fp8_e4m3"):
+        modes = {"hisparse": DeviceFootprint.of(config, dtype, hisparse, name), "baseline": DeviceFootprint.of(config, dtype, None, name)}
+        out[name] = dict(row_bytes=modes["baseline"].row_bytes, key_bytes=modes["baseline"].key_bytes,
+                         **{mode: f.capacity(budget, tokens) for mode, f in modes.items()},
+                         request_bytes={mode: f.request_bytes(tokens) for mode, f in modes.items()})  # fmt: skip
+    return out
 
 
 def point_metrics(result, warm: int) -> dict:

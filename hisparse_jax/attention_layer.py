@@ -18,8 +18,10 @@ nothing):
      orders the backup before any read of that row from the host;
   4. attention over the resolved slots of state.device_rows.
 
-Shape letters (hisparse_jax.state): L layers, R requests, H heads, K top-k entries, W row width,
-D latent width (latent_dim).
+Shape letters (hisparse_jax.state): L layers, R requests, H heads, K top-k entries, W stored row
+width, D latent width (latent_dim). The query is D + rope wide (the row's values); W is that too
+for plain rows and 164 words for 512 + 64 fp8 rows (hisparse_jax.row_layout), which attention
+dequantises as it reads them.
 """
 
 from __future__ import annotations
@@ -56,18 +58,19 @@ def _check_step_inputs(state: KVState, layer, query, new_row, positions, selecti
     check_rank("new_row", new_row, 2, "[R, W]")
     check_rank("positions", positions, 1, "[R]")
     check_rank(selection_name, selection, 2, "[R, K]")
-    R, W = state.num_requests, state.device_rows.shape[-1]
+    R, layout = state.num_requests, state.layout
     for name, array in (("query", query), ("new_row", new_row), ("positions", positions), (selection_name, selection)):
         check_equal(f"{name} batch", array.shape[0], "the state's request slots (R)", R)
-    check_equal("query width", query.shape[2], "the state's row width (W)", W)
-    check_equal("new_row width", new_row.shape[1], "the state's row width (W)", W)
+    # The query meets the row's values (latent + rope), whatever width the stored row has.
+    check_equal("query width", query.shape[2], "the state's latent + rope width", layout.logical_width)
+    layout.check_rows("new_row", new_row)
 
 
 def attention_layer(
     state: KVState,
     layer,  # int or i32[]: which sparse layer
-    query,  # [R, H, W]: absorbed query in the row's order (latent part, then rope part)
-    new_row,  # row[R, W]: this step's KV row of every request
+    query,  # [R, H, latent + rope]: absorbed query in the row's order (latent part, then rope part)
+    new_row,  # row[R, W]: this step's KV row of every request (or its values [R, latent + rope])
     positions,  # i32[R]: position of the new token (= tokens already stored), -1 inactive
     topk,  # i32[R, K]: selected positions in [0, positions], -1 padding; K <= B for HiSparse
     *,
@@ -78,19 +81,23 @@ def attention_layer(
 ):
     """One DSA layer's decode attention -> (state, f32[R, H, D], LayerStepInfo); D = latent_dim.
 
-    state: HiSparseState or FullKVState; layer: int or i32[]; query: [R, H, W], any float dtype;
-    new_row: row[R, W]; positions: i32[R], -1 inactive; topk: i32[R, K], -1 padding, K <= B.
+    state: HiSparseState or FullKVState; layer: int or i32[]; query: [R, H, latent + rope], any
+    float dtype; new_row: the stored row row[R, W] (state.layout.pack(latent, rope)) or its values
+    [R, latent + rope] (packed here); positions: i32[R], -1 inactive; topk: i32[R, K], -1
+    padding, K <= B.
     Writes the newest row, swaps in the selected rows (HiSparseState), backs the newest row up
     to the host, and attends over the selected rows. record_plan keeps the swap-in plan in the
     info, for a following shared_attention_layer. Traceable; call it inside the model's jitted,
     state-donating decode step. Raises ValueError on inconsistent static shapes.
     """
     _check_step_inputs(state, layer, query, new_row, positions, "topk", topk)
+    new_row = state.layout.to_stored(new_row)  # packed once: the device slot and the backup get the same bits
     state = state.write_newest(layer, new_row, positions)
     state, plan = state.swap_in(layer, topk, lengths_from_positions(positions), implementation=implementation)
     state = state.backup_newest(layer, new_row, positions, implementation=implementation)
     out = sparse_mla_attention(
-        query, state.device_rows, layer, plan.slots, latent_dim=latent_dim, sm_scale=sm_scale, implementation=implementation
+        query, state.device_rows, layer, plan.slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=state.layout,
+        implementation=implementation,
     )
     return state, out, LayerStepInfo(plan.num_hits, plan.num_misses, plan if record_plan else None)
 
@@ -129,10 +136,12 @@ def shared_attention_layer(
         raise ValueError("shared_attention_layer needs the anchor's plan: call attention_layer(..., record_plan=True)")
     plan = anchor.plan
     _check_step_inputs(state, layer, query, new_row, positions, "anchor plan slots", plan.slots)
+    new_row = state.layout.to_stored(new_row)
     state = state.write_newest(layer, new_row, positions)
     state = state.replay_swap_in(layer, plan, implementation=implementation)
     state = state.backup_newest(layer, new_row, positions, implementation=implementation)
     out = sparse_mla_attention(
-        query, state.device_rows, layer, plan.slots, latent_dim=latent_dim, sm_scale=sm_scale, implementation=implementation
+        query, state.device_rows, layer, plan.slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=state.layout,
+        implementation=implementation,
     )
     return state, out, LayerStepInfo(plan.num_hits, plan.num_misses, plan)

@@ -29,7 +29,10 @@ def begin_request(state: KVState, request, prompt_len, host_pages=None) -> KVSta
 
 
 def store_prefill_rows(state: KVState, layer, request, start, rows, prompt_len, *, implementation=None) -> KVState:
-    """Stores prompt rows row[T, W] of positions start .. start+T-1 of `request` for `layer`.
+    """Stores prompt rows of positions start .. start+T-1 of `request` for `layer`.
+
+    rows: stored rows row[T, W], or their values [T, latent + rope] in any float dtype, which
+    the state's layout packs (quantised once, here, for fp8 rows; a cast for plain layouts).
 
     layer, request, start, prompt_len: int or i32[]. Rows at positions >= prompt_len are padding
     of the last chunk and are dropped. HiSparse: rows go straight to the host pool
@@ -39,7 +42,7 @@ def store_prefill_rows(state: KVState, layer, request, start, rows, prompt_len, 
     """
     check_layer_index(layer, state.num_layers)
     check_rank("rows", rows, 2, "[T, W]")
-    check_equal("rows width", rows.shape[1], "the state's row width", state.device_rows.shape[-1])
+    state.layout.check_rows("rows", rows)
     return state.store_prefill_rows(layer, request, start, rows, prompt_len, implementation=implementation)
 
 

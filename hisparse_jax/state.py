@@ -13,7 +13,9 @@ Letters used in shapes throughout the package:
   S  host pool rows         P  pages per request (C / page_size, rounded up)
   H  attention heads        D  latent (value) width, the first D values of a row
   T  prompt rows in one store_prefill_rows call
-"row" is the stored row dtype (KVRowLayout.dtype: bf16 or f32); i32 is int32, f32 float32.
+"row" is the stored row dtype (KVRowLayout.dtype: bf16, f32, or uint32 words of packed fp8 rows);
+i32 is int32, f32 float32. Each state carries its KVRowLayout (a static field, `layout`): how its
+rows are packed, which attention needs to read them.
 
 Invariants of a HiSparseState the kernels rely on (tests check them):
   * buffer_tokens[l, r] holds each position at most once; -1 marks an empty slot.
@@ -102,10 +104,13 @@ class KVState(Protocol):
     HiSparseState and FullKVState implement it. Every method is traceable and returns a new
     state (the arrays are updated functionally; under a state-donating jit, in place). Users call
     the functions of hisparse_jax.kv_cache_ops and hisparse_jax.attention_layer, which validate
-    their arguments and run these methods in the order docs/contract.md describes.
+    their arguments and run these methods in the order docs/contract.md describes. Methods taking
+    rows accept stored rows row[..., W] or their values [..., latent + rope], which they pack
+    with `layout` (KVRowLayout.to_stored: quantised for fp8 rows).
     """
 
     seq_lens: jax.Array  # i32[R]: tokens stored for each request slot (0 = free slot)
+    layout: KVRowLayout  # static: how every row of the state is stored (width W, dtype, fp8 or not)
 
     @property
     def device_rows(self) -> jax.Array:
@@ -175,6 +180,7 @@ class HiSparseState:
     swap_in_scratch: jax.Array  # i32[R, C]: Pallas swap-in workspace indexed by position
     page_size: int = _field(static=True)  # tokens per host page
     copy_rows_per_program: int = _field(static=True)  # swap-in copy launch shape (HiSparseConfig)
+    layout: KVRowLayout = _field(static=True)  # how the rows of device_buffer and host_pool are stored
 
     @property
     def device_rows(self) -> jax.Array:
@@ -235,14 +241,15 @@ class HiSparseState:
         B = config.device_buffer_size; rows in layout.dtype, W = layout.width. num_host_pages
         defaults to host_to_device_ratio x the device pool (R x B tokens), as SGLang sizes its
         host pool. fill_value initialises rows nothing has written (tests pass NaN so a stray
-        read shows). With a mesh, request slots and host pool rows are split over its "dp" axis
-        (num_requests and num_host_pages must divide by its size).
+        read shows; fp8 rows take 0 or NaN only). With a mesh, request slots and host pool rows
+        are split over its "dp" axis (num_requests and num_host_pages must divide by its size).
         """
         B = config.device_buffer_size
         if num_host_pages is None:
             num_host_pages = math.ceil(config.host_to_device_ratio * num_requests * B / page_size)
         pages_per_request = math.ceil(max_context / page_size)
         L, R, W = num_layers, num_requests, layout.width
+        fill_value = layout.fill_element(fill_value)
         place = _Placer(device, mesh)
         lru = place("lru_slots", (L, R, B), jnp.int32, 0)
         lru = jax.jit(lambda x: x + jnp.arange(B, dtype=jnp.int32), out_shardings=lru.sharding, donate_argnums=0)(lru)
@@ -258,6 +265,7 @@ class HiSparseState:
             swap_in_scratch=place("swap_in_scratch", (R, max_context), jnp.int32, SCRATCH_EMPTY),
             page_size=page_size,
             copy_rows_per_program=config.copy_rows_per_program,
+            layout=layout,
         )
 
     # ---- KVState: request lifecycle ----------------------------------------------------------
@@ -279,7 +287,9 @@ class HiSparseState:
     def store_prefill_rows(self, layer, request, start, rows, prompt_len, *, implementation=None) -> "HiSparseState":
         """Rows row[T, W] go straight to their host slots (the device never holds the whole
         context); when the prompt fits (prompt_len <= B) they are also preloaded into slots
-        0 .. prompt_len - 1, as the decode fast path expects."""
+        0 .. prompt_len - 1, as the decode fast path expects. Rows may also be their values
+        [T, latent + rope], packed here (KVRowLayout.to_stored)."""
+        rows = self.layout.to_stored(rows)
         positions = start + jnp.arange(rows.shape[0], dtype=jnp.int32)  # i32[T]
         valid = positions < prompt_len
         page_row = self.host_page_table[request]  # i32[P]
@@ -288,7 +298,7 @@ class HiSparseState:
         B = self.buffer_size
         preload = valid & (prompt_len <= B)
         target = jnp.where(preload, positions, B + 1)  # dropped unless preloading
-        device_buffer = self.device_buffer.at[layer, request, target].set(rows.astype(self.device_buffer.dtype), mode="drop")
+        device_buffer = self.device_buffer.at[layer, request, target].set(rows, mode="drop")
         buffer_tokens = self.buffer_tokens.at[layer, request, target].set(positions, mode="drop")
         return self.replace(host_pool=pool, device_buffer=device_buffer, buffer_tokens=buffer_tokens)
 
@@ -306,12 +316,11 @@ class HiSparseState:
         """new_row row[R, W] goes to slot = position while n <= B (and buffer_tokens records it),
         else to the reserved slot B; positions i32[R], -1 inactive (nothing written)."""
         R, B = self.num_requests, self.buffer_size
+        new_row = self.layout.to_stored(new_row)
         requests = jnp.arange(R)
         active = positions >= 0
         slot = jnp.where(positions < B, positions, self.reserved_slot)  # i32[R]
-        device_buffer = self.device_buffer.at[layer, requests, jnp.where(active, slot, B + 1)].set(
-            new_row.astype(self.device_buffer.dtype), mode="drop"
-        )
+        device_buffer = self.device_buffer.at[layer, requests, jnp.where(active, slot, B + 1)].set(new_row, mode="drop")
         fast = active & (positions < B)
         buffer_tokens = self.buffer_tokens.at[layer, requests, jnp.where(fast, positions, B)].set(positions, mode="drop")
         return self.replace(device_buffer=device_buffer, buffer_tokens=buffer_tokens)
@@ -359,7 +368,7 @@ class HiSparseState:
             self.host_page_table, jnp.maximum(positions, 0), self.page_size
         )  # i32[R]
         host_slot = jnp.where(positions >= 0, host_slot, -1)
-        pool = write_rows_to_host(self.host_pool, layer, new_row, host_slot, implementation=implementation)
+        pool = write_rows_to_host(self.host_pool, layer, self.layout.to_stored(new_row), host_slot, implementation=implementation)
         return self.replace(host_pool=pool)
 
 
@@ -370,6 +379,7 @@ class FullKVState:
 
     kv: jax.Array  # row[L, R, C, W]: row of position p of request r at kv[l, r, p]
     seq_lens: jax.Array  # i32[R]: tokens stored for each request slot
+    layout: KVRowLayout = _field(static=True)  # how the rows of kv are stored
 
     @property
     def device_rows(self) -> jax.Array:
@@ -409,11 +419,14 @@ class FullKVState:
     ) -> "FullKVState":
         """Allocates an empty state: kv row[L, R, C, W] filled with fill_value, every slot free.
 
-        With a mesh, request slots are split over its "dp" axis."""
+        fp8 rows take fill_value 0 or NaN only. With a mesh, request slots are split over its "dp"
+        axis."""
         place = _Placer(device, mesh)
+        shape = (num_layers, num_requests, max_context, layout.width)
         return cls(
-            kv=place("kv", (num_layers, num_requests, max_context, layout.width), layout.dtype, fill_value),
+            kv=place("kv", shape, layout.dtype, layout.fill_element(fill_value)),
             seq_lens=place("seq_lens", (num_requests,), jnp.int32, 0),
+            layout=layout,
         )
 
     # ---- KVState: request lifecycle ----------------------------------------------------------
@@ -424,9 +437,10 @@ class FullKVState:
 
     def store_prefill_rows(self, layer, request, start, rows, prompt_len, *, implementation=None) -> "FullKVState":
         """Rows row[T, W] go to kv[layer, request, position] for positions below prompt_len."""
+        rows = self.layout.to_stored(rows)
         positions = start + jnp.arange(rows.shape[0], dtype=jnp.int32)  # i32[T]
         target = jnp.where(positions < prompt_len, positions, self.max_context)
-        return self.replace(kv=self.kv.at[layer, request, target].set(rows.astype(self.kv.dtype), mode="drop"))
+        return self.replace(kv=self.kv.at[layer, request, target].set(rows, mode="drop"))
 
     def end_request(self, request) -> "FullKVState":
         """Clears the slot's seq_len (its rows are overwritten by the next request)."""
@@ -437,7 +451,7 @@ class FullKVState:
     def write_newest(self, layer, new_row, positions) -> "FullKVState":
         """new_row row[R, W] goes to kv[layer, r, positions[r]]; -1 (inactive) writes nothing."""
         kv = self.kv.at[layer, jnp.arange(self.num_requests), jnp.where(positions >= 0, positions, self.max_context)].set(
-            new_row.astype(self.kv.dtype), mode="drop"
+            self.layout.to_stored(new_row), mode="drop"
         )
         return self.replace(kv=kv)
 

@@ -19,7 +19,7 @@ from flax import nnx
 
 from configs.model import DSAModelConfig
 from models import rope
-from models.indexer import index_scores, select_topk
+from models.indexer import index_scores, is_fp8, quantize_keys, select_topk
 from models.layers import MLP, Linear, RMSNorm, einsum
 from models.mla import MLAttention, sparse_attention
 from models.moe import MoE
@@ -37,8 +37,9 @@ class Embedding(nnx.Module):
 class PrefillOutput(NamedTuple):
     hidden: jax.Array  # [T, D]: the layer's output
     rows: jax.Array  # [T, W]: KV row of every token (latent, rotated k_rope), in the param dtype
-    index_keys: jax.Array | None  # [T, I]: indexer keys, None on a shared-indexer layer
+    index_keys: jax.Array | None  # [T, I]: indexer keys in the key cache's dtype, None on a shared-indexer layer
     topk: jax.Array  # i32[T, K]: positions each query attended to, -1 padding
+    index_key_scales: jax.Array | None = None  # f32[T]: per-key scales of fp8 index_keys, else None
 
 
 class DecoderLayer(nnx.Module):
@@ -57,7 +58,7 @@ class DecoderLayer(nnx.Module):
         h = h + self.self_attn.output(attn)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def prefill(self, h: jax.Array, anchor_topk: jax.Array | None, *, chunk: int) -> PrefillOutput:
+    def prefill(self, h: jax.Array, anchor_topk: jax.Array | None, *, chunk: int, key_dtype=None) -> PrefillOutput:
         """One sequence through this layer, positions 0..T-1, `chunk` queries at a time.
 
         h [T, D] with T a multiple of chunk (tokens past the prompt are padding: they come after
@@ -65,6 +66,9 @@ class DecoderLayer(nnx.Module):
         the anchor full layer's selection, for a shared-indexer layer. Only the KV rows and
         indexer keys exist for all T tokens at once; queries, scores and the MLP live per chunk,
         so peak memory is O(chunk x T), never T x T.
+
+        key_dtype: the key cache's element type (None: the model dtype). The indexer scores the
+        keys as stored, fp8 ones quantised (models.indexer.quantize_keys), as decoding will.
         """
         config, attn = self.config, self.self_attn
         T = h.shape[0]
@@ -73,14 +77,20 @@ class DecoderLayer(nnx.Module):
         cos, sin = rope.cos_sin(config.rope, config.qk_rope_head_dim, positions)  # f32[T, P/2]
         latent, k_rope = attn.kv_row(x, cos, sin)
         rows = jnp.concatenate([latent, k_rope], axis=-1)  # [T, W]
-        index_keys = None if attn.indexer is None else attn.indexer.keys(x, cos, sin)  # [T, I]
+        index_keys = key_scales = None
+        if attn.indexer is not None:
+            index_keys = attn.indexer.keys(x, cos, sin)  # [T, I]
+            if key_dtype is not None and is_fp8(key_dtype):
+                index_keys, key_scales = quantize_keys(index_keys)  # f8[T, I], f32[T]
+            elif key_dtype is not None:
+                index_keys = index_keys.astype(key_dtype)
 
         def one_chunk(c):
             q_resid, query = attn.queries(c["x"], c["cos"], c["sin"])
             if attn.indexer is not None:
                 iq, iw = attn.indexer.queries(c["x"], q_resid, c["cos"], c["sin"])
                 allowed = positions[None, :] <= c["positions"][:, None]  # bool[chunk, T]
-                topk = select_topk(index_scores(iq, iw, index_keys), allowed, config.index_topk)
+                topk = select_topk(index_scores(iq, iw, index_keys, key_scales), allowed, config.index_topk)
             else:
                 topk = c["topk"]
             out = sparse_attention(query, rows, topk, sm_scale=config.softmax_scale, latent_dim=config.kv_lora_rank)
@@ -91,7 +101,7 @@ class DecoderLayer(nnx.Module):
             per_query["topk"] = anchor_topk
         chunks = jax.tree.map(lambda a: a.reshape(T // chunk, chunk, *a.shape[1:]), per_query)
         hidden, topk = jax.lax.map(one_chunk, chunks)
-        return PrefillOutput(hidden.reshape(T, -1), rows, index_keys, topk.reshape(T, -1))
+        return PrefillOutput(hidden.reshape(T, -1), rows, index_keys, topk.reshape(T, -1), key_scales)
 
 
 class DSAForCausalLM(nnx.Module):

@@ -5,7 +5,7 @@ Letters: L layers, J full-indexer layers, R request slots, C max context, T prom
 Tp padded prompt tokens, D hidden, I index_head_dim, K top-k entries, W KV row width, V vocab,
 N generated tokens, B prompts.
 
-Per layer of a decode step (HISPARSE.md section 2): MLA projections of the new token -> its KV
+Per layer of a decode step (docs/architecture.md): MLA projections of the new token -> its KV
 row and indexer key -> indexer top-k over the request's whole context (keys stay on the device)
 -> hisparse_jax.attention_layer, which swaps the selected rows in and attends (or, with a
 FullKVState, attends over the on-device KV) -> W_UV, o_proj, MLP. The cache's KV state type
@@ -43,7 +43,7 @@ from hisparse_jax.row_layout import KVRowLayout
 from hisparse_jax.state import FullKVState, HiSparseState, state_shardings
 from models import inputs, rope
 from models.decoder import DSAForCausalLM, DecoderLayer
-from models.indexer import index_scores, select_topk
+from models.indexer import dequantize_keys, index_key_dtype, index_scores, is_fp8, quantize_keys, select_topk
 from models.loading import load_hf_checkpoint
 from models.parallel import shard_params
 
@@ -57,14 +57,18 @@ class DecodeCache:
 
     kv: HiSparseState | FullKVState  # MLA KV rows of every layer; its type picks HiSparse or no offload
     index_keys: jax.Array  # [J, R, C, I]: indexer key of every stored position, per full-indexer layer
+    # f32[J, R, C]: each fp8 key's scale (models.indexer.quantize_keys); f32[J, R, 0] (no bytes)
+    # when the keys are not fp8, so the cache's pytree is the same whatever the key format.
+    index_key_scales: jax.Array
 
 
 class PrefilledKV(NamedTuple):
     """One prompt's KV as a prefill instance hands it to a decode instance (PD disaggregation)."""
 
     rows: tuple  # row[Tp, W] per layer: KV rows of the (padded) prompt positions
-    index_keys: tuple  # [Tp, I] per full-indexer layer
+    index_keys: tuple  # [Tp, I] per full-indexer layer, in the prefill runner's key dtype
     logits: jax.Array  # f32[V]: logits of the last prompt token (they pick the first new token)
+    index_key_scales: tuple = ()  # f32[Tp] per full-indexer layer with fp8 keys; () otherwise
 
 
 class StepTelemetry(NamedTuple):
@@ -83,14 +87,18 @@ def create_cache(
     page_size: int = 64,
     fill_value: float = 0.0,
     mesh: Mesh | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> DecodeCache:
     """An empty cache for `num_requests` slots of up to `max_context` tokens; KV rows in `dtype`.
 
+    kv_cache_dtype (SGLang's --kv-cache-dtype): "auto" (the model dtype `dtype`), "bfloat16",
+    "float32" or "fp8_e4m3": how KV rows (KVRowLayout.for_kv_cache_dtype) and indexer keys are
+    stored (fp8 keys: I fp8_e4m3 values + one f32 scale per key, index_key_scales).
     hisparse None keeps every row on the device (FullKVState). fill_value initialises unwritten
     rows (tests pass NaN so any stray read shows). With a mesh every request-indexed array is
     split over its "dp" axis (hisparse_jax.sharding).
     """
-    layout = KVRowLayout.for_dtype(config.kv_lora_rank, config.qk_rope_head_dim, dtype)
+    layout = KVRowLayout.for_kv_cache_dtype(config.kv_lora_rank, config.qk_rope_head_dim, dtype, kv_cache_dtype)
     if hisparse is None:
         kv = FullKVState.create(
             num_layers=config.num_layers, num_requests=num_requests, max_context=max_context,
@@ -106,24 +114,43 @@ def create_cache(
             layout=layout, num_host_pages=num_host_pages, page_size=page_size, fill_value=fill_value, mesh=mesh,
         )  # fmt: skip
     placement = None if mesh is None else NamedSharding(mesh, P(None, dp_sharding.REQUEST_AXIS))
+    J, key_dtype = len(config.full_indexer_layers), index_key_dtype(kv_cache_dtype, dtype)
     index_keys = memory.allocate(
-        (len(config.full_indexer_layers), num_requests, max_context, config.index_head_dim),
-        dtype, fill_value, memory.DEVICE, placement=placement,
+        (J, num_requests, max_context, config.index_head_dim), key_dtype, fill_value, memory.DEVICE, placement=placement
     )  # fmt: skip
-    return DecodeCache(kv, index_keys)
+    scale_positions = max_context if is_fp8(key_dtype) else 0
+    # fill_value (NaN in tests) shows a stray read of an unwritten key through its scale too.
+    index_key_scales = memory.allocate(
+        (J, num_requests, scale_positions), jnp.float32, fill_value, memory.DEVICE, placement=placement
+    )  # fmt: skip
+    return DecodeCache(kv, index_keys, index_key_scales)
 
 
 def cache_shardings(cache: DecodeCache) -> DecodeCache:
     """Output shardings of a jit returning the cache: every array stays where it is (the host
     pool in pinned_host memory, mesh-split arrays split the same way)."""
-    return DecodeCache(state_shardings(cache.kv), cache.index_keys.sharding)
+    return DecodeCache(state_shardings(cache.kv), cache.index_keys.sharding, cache.index_key_scales.sharding)
+
+
+def write_index_keys(index_keys, index_key_scales, j, requests, targets, keys, key_scales=None):
+    """Stores keys at index_keys[j, requests, targets] (targets past C are dropped) in the
+    cache's format -> (index_keys, index_key_scales). keys [..., I]: fp8 with key_scales f32[...]
+    (already quantised, e.g. by prefill), or any float dtype, quantised here for an fp8 cache."""
+    if is_fp8(index_keys.dtype):
+        if not is_fp8(keys.dtype):
+            keys, key_scales = quantize_keys(keys)
+        index_key_scales = index_key_scales.at[j, requests, targets].set(key_scales, mode="drop")
+    elif is_fp8(keys.dtype):  # fp8 keys from a prefill instance, into a higher-precision cache
+        keys = dequantize_keys(keys, key_scales)
+    return index_keys.at[j, requests, targets].set(keys.astype(index_keys.dtype), mode="drop"), index_key_scales
 
 
 # ---- decode ---------------------------------------------------------------------------------------
 
 
-def _decode_indexer(layer: DecoderLayer, x, q_resid, cos, sin, index_keys, j, positions, topk=None):
-    """Writes the new indexer keys, returns (index_keys, top-k i32[R, K]) over each request's context.
+def _decode_indexer(layer: DecoderLayer, x, q_resid, cos, sin, index_keys, key_scales, j, positions, topk=None):
+    """Writes the new indexer keys (quantised with fp8 keys), returns (index_keys, key_scales,
+    top-k i32[R, K]) over each request's context.
 
     topk i32[R, K], when given, is returned instead of the indexer's own choice (the scoring is
     skipped; the keys are still written)."""
@@ -131,13 +158,14 @@ def _decode_indexer(layer: DecoderLayer, x, q_resid, cos, sin, index_keys, j, po
     R, C = index_keys.shape[1], index_keys.shape[2]
     keys = indexer.keys(x, cos, sin)  # [R, I]
     target = jnp.where(positions >= 0, positions, C)  # an inactive slot writes nothing
-    index_keys = index_keys.at[j, jnp.arange(R), target].set(keys.astype(index_keys.dtype), mode="drop")
+    index_keys, key_scales = write_index_keys(index_keys, key_scales, j, jnp.arange(R), target, keys)
     if topk is not None:
-        return index_keys, topk
+        return index_keys, key_scales, topk
     q, w = indexer.queries(x, q_resid, cos, sin)  # [R, G, I], f32[R, G]
-    scores = jax.vmap(index_scores)(q[:, None], w[:, None], index_keys[j])[:, 0]  # f32[R, C]
+    scales = key_scales[j] if is_fp8(index_keys.dtype) else None  # f32[R, C]
+    scores = jax.vmap(index_scores)(q[:, None], w[:, None], index_keys[j], scales)[:, 0]  # f32[R, C]
     allowed = jnp.arange(C)[None, :] <= positions[:, None]  # bool[R, C]; nothing for inactive slots
-    return index_keys, select_topk(scores, allowed, config.index_topk)
+    return index_keys, key_scales, select_topk(scores, allowed, config.index_topk)
 
 
 def decode_step(
@@ -160,8 +188,8 @@ def decode_step(
     """
     model: DSAForCausalLM = nnx.merge(graphdef, params)
     config = model.config
-    kv, index_keys = cache.kv, cache.index_keys
-    layout = KVRowLayout.for_dtype(config.kv_lora_rank, config.qk_rope_head_dim, model.dtype)
+    kv, index_keys, key_scales = cache.kv, cache.index_keys, cache.index_key_scales
+    layout = kv.layout  # the cache's row layout: packs (for fp8, quantises) each new row
     h = model.embed_tokens(tokens)  # [R, D]
     cos, sin = rope.cos_sin(config.rope, config.qk_rope_head_dim, positions)  # f32[R, P/2]
     attend = dict(latent_dim=config.kv_lora_rank, sm_scale=config.softmax_scale, implementation=implementation)
@@ -177,7 +205,9 @@ def decode_step(
         if layer.self_attn.indexer is not None:
             j = config.indexer_cache_index(l)
             override = None if topk is None else topk[j]
-            index_keys, selected = _decode_indexer(layer, x, q_resid, cos, sin, index_keys, j, positions, override)
+            index_keys, key_scales, selected = _decode_indexer(
+                layer, x, q_resid, cos, sin, index_keys, key_scales, j, positions, override
+            )  # fmt: skip
             shared_next = l + 1 < config.num_layers and config.indexer_types[l + 1] == "shared"
             kv, out, anchor = attend_layer(kv, l, query, new_row, positions, selected, record_plan=shared_next, **attend)
             info = anchor
@@ -187,22 +217,25 @@ def decode_step(
         hits.append(info.num_hits)
         misses.append(info.num_misses)
     kv = advance(kv, positions >= 0)
-    return DecodeCache(kv, index_keys), model.logits(h), StepTelemetry(jnp.stack(hits), jnp.stack(misses))
+    cache = DecodeCache(kv, index_keys, key_scales)
+    return cache, model.logits(h), StepTelemetry(jnp.stack(hits), jnp.stack(misses))
 
 
 # ---- prefill --------------------------------------------------------------------------------------
 
 
-def _prefill_layer(graphdef, params, h, anchor_topk, *, chunk):
+def _prefill_layer(graphdef, params, h, anchor_topk, *, chunk, key_dtype):
     layer: DecoderLayer = nnx.merge(graphdef, params)
-    return layer.prefill(h, anchor_topk, chunk=chunk)
+    return layer.prefill(h, anchor_topk, chunk=chunk, key_dtype=key_dtype)
 
 
-def _store_index_keys(index_keys, j, request, keys, prompt_len):
-    # index_keys [J, R, C, I]; keys [Tp, I]: positions >= prompt_len are padding, dropped
+def _store_index_keys(cache_keys, j, request, keys, key_scales, prompt_len):
+    # cache_keys: (index_keys [J, R, C, I], index_key_scales f32[J, R, C or 0]); keys [Tp, I]
+    # (fp8 with key_scales f32[Tp], or key_scales None): positions >= prompt_len are padding, dropped
+    index_keys, index_key_scales = cache_keys
     positions = jnp.arange(keys.shape[0])
     target = jnp.where(positions < prompt_len, positions, index_keys.shape[2])
-    return index_keys.at[j, request, target].set(keys.astype(index_keys.dtype), mode="drop")
+    return write_index_keys(index_keys, index_key_scales, j, request, target, keys, key_scales)
 
 
 def padded_prompt_length(prompt_len: int, chunk: int) -> tuple[int, int]:
@@ -228,11 +261,15 @@ class ModelRunner:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         implementation: str | None = None,
         parallel: dp_sharding.ParallelConfig | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         """parallel: tensor / data-parallel-attention layout (hisparse_jax.sharding); None or a
-        single-device config runs on the default device."""
+        single-device config runs on the default device. kv_cache_dtype: the caches' format
+        (create_cache; "fp8_e4m3": fp8 rows and indexer keys), also what prefill_kv hands over."""
         self.config = model.config
         self.dtype = model.dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self._key_dtype = index_key_dtype(kv_cache_dtype, model.dtype)  # refuses an unknown name now
         self.prefill_chunk = prefill_chunk
         self.implementation = implementation
         self.parallel = parallel
@@ -242,7 +279,7 @@ class ModelRunner:
             self.params = shard_params(self.params, self.mesh, parallel)
         # Per-layer views of the same parameter arrays, for the layer-by-layer prefill.
         self._layers = [(nnx.split(layer)[0], self.params["layers"][l]) for l, layer in enumerate(model.layers)]
-        self._prefill_layer = jax.jit(_prefill_layer, static_argnames=("graphdef", "chunk"))
+        self._prefill_layer = jax.jit(_prefill_layer, static_argnames=("graphdef", "chunk", "key_dtype"))
         self._embed = jax.jit(lambda params, tokens: nnx.merge(self.graphdef, params).embed_tokens(tokens))
         self._logits = jax.jit(lambda params, h: nnx.merge(self.graphdef, params).logits(h))
         self._cache_fns = {}  # per KV state type: jits whose outputs keep the host pool pinned
@@ -267,7 +304,9 @@ class ModelRunner:
             self._cache_fns[kind] = dict(
                 begin=jax.jit(begin_request, donate_argnums=0, out_shardings=kv_out),
                 store=jax.jit(store, donate_argnums=0, out_shardings=kv_out),
-                store_keys=jax.jit(_store_index_keys, donate_argnums=0, out_shardings=cache.index_keys.sharding),
+                store_keys=jax.jit(
+                    _store_index_keys, donate_argnums=0, out_shardings=(cache.index_keys.sharding, cache.index_key_scales.sharding)
+                ),
                 decode=jax.jit(
                     functools.partial(decode_step, self.graphdef, implementation=self.implementation, mesh=self.mesh),
                     donate_argnums=1,
@@ -277,20 +316,23 @@ class ModelRunner:
         return self._cache_fns[kind]
 
     def create_cache(self, *, num_requests: int, max_context: int, hisparse: HiSparseConfig | None = None, **kwargs) -> DecodeCache:
+        """create_cache for this model, in the runner's kv_cache_dtype unless kwargs name another."""
+        kwargs.setdefault("kv_cache_dtype", self.kv_cache_dtype)
         return create_cache(
             self.config, num_requests=num_requests, max_context=max_context, dtype=self.dtype, hisparse=hisparse,
             mesh=self.mesh, **kwargs,
         )  # fmt: skip
 
-    def _prefill_layers(self, tokens: np.ndarray):
+    def _prefill_layers(self, tokens: np.ndarray, key_dtype):
         """Runs the prompt i32[T] through every layer, yielding (layer, its PrefillOutput) in order:
-        one layer's rows exist at a time. The last output's `hidden` feeds _last_logits."""
+        one layer's rows exist at a time. The last output's `hidden` feeds _last_logits. Indexer
+        keys come out in key_dtype (fp8: with scales) and the prompt's top-k is scored on them."""
         T = tokens.shape[0]
         padded, chunk = padded_prompt_length(T, self.prefill_chunk)
         h = self._embed(self.params, self._put(np.pad(tokens, (0, padded - T)), jnp.int32, per_request=False))
         anchor = None
         for l, (graphdef, params) in enumerate(self._layers):
-            out = self._prefill_layer(graphdef, params, h, anchor, chunk=chunk)
+            out = self._prefill_layer(graphdef, params, h, anchor, chunk=chunk, key_dtype=np.dtype(key_dtype))
             yield l, out
             if out.index_keys is not None:
                 anchor = out.topk
@@ -307,46 +349,52 @@ class ModelRunner:
         Each layer's rows go to the host pool (direct-to-host) as soon as that layer is computed."""
         tokens = np.asarray(tokens, np.int32)
         T = tokens.shape[0]
-        kv, index_keys, fns = self._begin(cache, request, T, host_pages)
-        for l, out in self._prefill_layers(tokens):
+        kv, keys, fns = self._begin(cache, request, T, host_pages)
+        for l, out in self._prefill_layers(tokens, cache.index_keys.dtype):
             kv = fns["store"](kv, jnp.int32(l), jnp.int32(request), jnp.int32(0), out.rows, jnp.int32(T))
             if out.index_keys is not None:
                 j = self.config.indexer_cache_index(l)
-                index_keys = fns["store_keys"](index_keys, jnp.int32(j), jnp.int32(request), out.index_keys, jnp.int32(T))
-        return DecodeCache(kv, index_keys), self._last_logits(out, T)
+                keys = fns["store_keys"](keys, jnp.int32(j), jnp.int32(request), out.index_keys, out.index_key_scales, jnp.int32(T))
+        return DecodeCache(kv, *keys), self._last_logits(out, T)
 
     def prefill_kv(self, tokens) -> "PrefilledKV":
         """A prefill instance's work (PD disaggregation): the prompt's KV rows and indexer keys of
         every layer and its last logits, with no decode cache. Rows are [Tp, W] per layer, Tp the
-        padded prompt length (rows past the prompt are padding)."""
+        padded prompt length (rows past the prompt are padding); keys in the runner's
+        kv_cache_dtype (fp8: with their scales)."""
         tokens = np.asarray(tokens, np.int32)
-        rows, keys = [], []
-        for _, out in self._prefill_layers(tokens):  # keeps rows and keys, not each layer's activations
+        rows, keys, scales = [], [], []
+        for _, out in self._prefill_layers(tokens, self._key_dtype):  # keeps rows and keys, not each layer's activations
             rows.append(out.rows)
             if out.index_keys is not None:
                 keys.append(out.index_keys)
-        return PrefilledKV(tuple(rows), tuple(keys), self._last_logits(out, tokens.shape[0]))
+                if out.index_key_scales is not None:
+                    scales.append(out.index_key_scales)
+        return PrefilledKV(tuple(rows), tuple(keys), self._last_logits(out, tokens.shape[0]), tuple(scales))
 
     def admit_prefilled(self, cache: DecodeCache, request: int, prompt_len: int, kv: "PrefilledKV", *, host_pages=None) -> DecodeCache:
         """A decode instance admits a request whose KV a prefill instance computed: its rows go
-        straight to the host pool (HiSparse) or the device KV, its indexer keys to the device."""
-        state, index_keys, fns = self._begin(cache, request, prompt_len, host_pages)
+        straight to the host pool (HiSparse) or the device KV, its indexer keys to the device
+        (converted when the prefill instance's key format is not this cache's)."""
+        state, cache_keys, fns = self._begin(cache, request, prompt_len, host_pages)
         T = jnp.int32(prompt_len)
         for l, rows in enumerate(kv.rows):
             state = fns["store"](state, jnp.int32(l), jnp.int32(request), jnp.int32(0), rows, T)
         for j, keys in enumerate(kv.index_keys):
-            index_keys = fns["store_keys"](index_keys, jnp.int32(j), jnp.int32(request), keys, T)
-        return DecodeCache(state, index_keys)
+            scales = kv.index_key_scales[j] if kv.index_key_scales else None
+            cache_keys = fns["store_keys"](cache_keys, jnp.int32(j), jnp.int32(request), keys, scales, T)
+        return DecodeCache(state, *cache_keys)
 
     def _begin(self, cache: DecodeCache, request: int, prompt_len: int, host_pages):
-        """begin_request for a prompt of `prompt_len` tokens -> (kv state, index_keys, jitted fns)."""
+        """begin_request for a prompt of `prompt_len` tokens -> (kv state, (index_keys,
+        index_key_scales), jitted fns)."""
         C = cache.index_keys.shape[2]
         if not 0 < prompt_len < C:
             raise ValueError(f"prompt of {prompt_len} tokens needs 0 < T < max_context ({C}): decoding appends to it")
         fns = self._jitted(cache)
         pages = None if host_pages is None else self._put(host_pages, jnp.int32, per_request=False)
         kv = fns["begin"](cache.kv, jnp.int32(request), jnp.int32(prompt_len), pages)
-        return kv, cache.index_keys, fns
+        return kv, (cache.index_keys, cache.index_key_scales), fns
 
     def decode_step(self, cache: DecodeCache, tokens, positions, topk=None) -> tuple[DecodeCache, jax.Array, StepTelemetry]:
         """decode_step jitted with the cache donated: tokens i32[R], positions i32[R] (-1 inactive),
@@ -380,8 +428,10 @@ def generate(
     hisparse: HiSparseConfig | None = None,
     page_size: int = 64,
     fill_value: float = 0.0,
+    kv_cache_dtype: str | None = None,
 ) -> GenerateOutput:
     """Greedy decoding of prompts i32[B, T], one request slot per prompt; EOS does not stop it.
+    kv_cache_dtype: the cache's format (create_cache); None: the runner's (a model: "auto").
 
     Raises models.inputs.InputError (a ValueError) for prompts the model cannot take: non-integer
     ids, ids outside the vocabulary, an empty array, T + max_new_tokens beyond
@@ -391,7 +441,8 @@ def generate(
     max_new_tokens = inputs.check_max_new_tokens(max_new_tokens)
     prompts = inputs.check_prompts(prompts, config, max_new_tokens=max_new_tokens)
     inputs.check_hisparse(hisparse, config)
-    runner = model if isinstance(model, ModelRunner) else ModelRunner(model)
+    runner = model if isinstance(model, ModelRunner) else ModelRunner(model, kv_cache_dtype=kv_cache_dtype or "auto")
+    kv_cache_dtype = kv_cache_dtype or runner.kv_cache_dtype
     B, T = prompts.shape
     inputs.check_parallel(config, runner.parallel if runner.mesh is not None else None, num_requests=B, requests="prompts")
     max_context = T + max_new_tokens
@@ -403,7 +454,7 @@ def generate(
         allocators = [HostPageAllocator(num_host_pages // groups, page_size) for _ in range(groups)]
     cache = runner.create_cache(
         num_requests=B, max_context=max_context, hisparse=hisparse, num_host_pages=num_host_pages,
-        page_size=page_size, fill_value=fill_value,
+        page_size=page_size, fill_value=fill_value, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
 
     first = []
@@ -441,10 +492,11 @@ def decode_checkpoint(
     max_new_tokens: int,
     dtype=jnp.bfloat16,
     hisparse: HiSparseConfig | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> GenerateOutput:
     """Loads a Hugging Face checkpoint, greedy-decodes the prompts of an .npz (`input_ids`
     int32 [B, T]) and writes `tokens` int32 [B, N] and `logits` float32 [B, N, V] to output_path
-    (which must end in .npz: it is the file written).
+    (which must end in .npz: it is the file written). kv_cache_dtype: as create_cache's.
 
     Every input (config.json, the prompts against it, max_new_tokens, hisparse, the output path)
     is checked before the weights load (models.inputs.InputError); the output appears whole or
@@ -454,10 +506,11 @@ def decode_checkpoint(
         inputs.read_prompts(prompts_path), config, max_new_tokens=max_new_tokens, name=f"{os.fspath(prompts_path)} input_ids"
     )
     inputs.check_hisparse(hisparse, config)
+    index_key_dtype(kv_cache_dtype, dtype)  # a ValueError for an unknown name, before the weights load
     output_path = inputs.check_output_path(output_path)
     model = load_hf_checkpoint(checkpoint, dtype=dtype)
     logging.info("loaded %s: %s, %d layers, params %s", checkpoint, model.config.model_type, model.config.num_layers, np.dtype(dtype).name)
-    out = generate(model, prompts, max_new_tokens, hisparse=hisparse)
+    out = generate(model, prompts, max_new_tokens, hisparse=hisparse, kv_cache_dtype=kv_cache_dtype)
     partial = f"{output_path}.partial-{os.getpid()}"
     try:
         with open(partial, "wb") as f:  # a file object: np.savez appends no suffix

@@ -7,8 +7,21 @@ or the full on-device KV [L, R, C, W]; the kernel does not care which), a row is
 latent + rope (the key) and its first `latent_dim` values are the value, entries with slot -1
 are masked, and the softmax is in f32. A request with no valid entry gets zeros.
 
-Shape letters: R requests, H heads, K selected entries, W row width, D latent (value) width,
-L layers, S slots per request.
+Rows are plain (bf16 / f32 values, W = latent + rope) or, with `layout` an fp8_e4m3
+KVRowLayout (hisparse_jax.row_layout), packed uint32 words: per row D/4 words of fp8 latent
+bytes, one f32 scale per group of G latent values, rope/2 words of bf16 pairs (164 words = 656 B
+for 512 + 64). The reference unpacks the gathered rows to f32 (layout.unpack). The kernel
+dequantises each block of selected rows as it reads it, as FlashMLA does: the 4 bytes of every
+word (byte j of word w is latent value 4w + j) are put back in latent order (two levels of
+2-way joins), converted to f32 and multiplied by their group's scale, and the rope pairs split
+and joined likewise; the keys then go to the same two matmuls as plain rows, in the query's
+dtype (bf16; f32 at full precision for an f32 query).
+
+implementation="tpu" (pallas_kernels/tpu_sparse_mla_attention.py) gathers the selected rows by
+DMA into VMEM instead (bf16 / f32 rows; fp8 rows raise NotImplementedError there).
+
+Shape letters: R requests, H heads, K selected entries, W stored row width, D latent (value)
+width, L layers, S slots per request. The query is D + rope wide (the row's values).
 """
 
 from __future__ import annotations
@@ -31,27 +44,43 @@ def _dot_precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _check_inputs(query, kv, layer, slots, latent_dim) -> None:
-    """Static shape checks shared by the reference and the kernel."""
+def _check_inputs(query, kv, layer, slots, latent_dim, layout=None) -> None:
+    """Static shape checks shared by the reference and the kernel. layout: a KVRowLayout or
+    None (plain rows: kv's own float dtype, W = latent + rope)."""
     check_rank("query", query, 3, "[R, H, W]")
     check_rank("kv", kv, 4, "[L, R, S, W]")
     check_rank("slots", slots, 2, "[R, K]")
     R, W = query.shape[0], kv.shape[3]
     check_equal("kv request slots", kv.shape[1], "query batch (R)", R)
     check_equal("slots batch", slots.shape[0], "query batch (R)", R)
-    check_equal("query width", query.shape[2], "kv row width (W)", W)
-    if not 0 < latent_dim <= W:
-        raise ValueError(f"latent_dim ({latent_dim}) must be in [1, row width ({W})]")
+    if layout is None:
+        if not jnp.issubdtype(kv.dtype, jnp.floating):
+            raise ValueError(f"kv rows of {jnp.dtype(kv.dtype).name} are packed: pass their layout=")
+        check_equal("query width", query.shape[2], "kv row width (W)", W)
+        if not 0 < latent_dim <= W:
+            raise ValueError(f"latent_dim ({latent_dim}) must be in [1, row width ({W})]")
+    else:
+        check_equal("kv row width", W, f"the {layout.kind} layout's row width (W)", layout.width)
+        check_equal("kv dtype", jnp.dtype(kv.dtype).name, f"the {layout.kind} layout's dtype", layout.dtype.name)
+        check_equal("latent_dim", latent_dim, "the layout's latent_dim", layout.latent_dim)
+        check_equal("query width", query.shape[2], "the layout's latent + rope width", layout.logical_width)
     check_layer_index(layer, kv.shape[0])
 
 
-def sparse_mla_attention_reference(query, kv, layer, slots, *, latent_dim, sm_scale):
-    """The formula in jnp, f32 throughout: query [R, H, W]; kv row[L, R, S, W]; layer int or
-    i32[]; slots i32[R, K] (-1 masked) -> f32[R, H, D] with D = latent_dim."""
-    _check_inputs(query, kv, layer, slots, latent_dim)
+def _quantized(layout) -> bool:
+    return layout is not None and layout.quantized
+
+
+def sparse_mla_attention_reference(query, kv, layer, slots, *, latent_dim, sm_scale, layout=None):
+    """The formula in jnp, f32 throughout: query [R, H, D + rope]; kv row[L, R, S, W]; layer
+    int or i32[]; slots i32[R, K] (-1 masked) -> f32[R, H, D] with D = latent_dim. Packed
+    (fp8) rows are unpacked to f32 with `layout` first."""
+    _check_inputs(query, kv, layer, slots, latent_dim, layout)
     R = query.shape[0]
     valid = slots >= 0  # bool[R, K]
     rows = kv[layer][jnp.arange(R)[:, None], jnp.where(valid, slots, 0)]  # row[R, K, W]
+    if _quantized(layout):
+        rows = jnp.concatenate(layout.unpack(rows), axis=-1)  # f32[R, K, D + rope]
     rows = jnp.where(valid[:, :, None], rows.astype(jnp.float32), 0.0)  # never multiply an unread row
     scores = jnp.einsum(
         "rhw,rkw->rhk", query.astype(jnp.float32), rows, precision=jax.lax.Precision.HIGHEST
@@ -135,23 +164,141 @@ def _attention_kernel(
         )
 
 
-def default_launch_shape(num_requests: int, num_heads: int) -> dict:
+def _interleave4(p0, p1, p2, p3):
+    """Four [N, n] planes -> [N, 4n] with column 4w + j = p_j[:, w]: two levels of 2-way stacks
+    on the last axis (Triton's join) and a reshape that keeps element order."""
+    inner = jnp.stack([jnp.stack([p0, p2], axis=-1), jnp.stack([p1, p3], axis=-1)], axis=-1)  # [N, n, 2, 2]
+    return inner.reshape(p0.shape[0], 4 * p0.shape[1])
+
+
+def _fp8_attention_kernel(
+    layer_ref,  # i32[1]
+    query_ref,  # [R, H, D + rope]
+    slots_ref,  # i32[R, K]
+    kv_ref,  # u32[L, R, S, W]: packed fp8 rows
+    out_ref,  # f32[R, H, D]
+    *,
+    latent_dim: int,
+    group_size: int,
+    rope_dim: int,
+    sm_scale: float,
+    block_h: int,
+    block_k: int,
+    compute_dtype,
+    interpret: bool,
+):
+    r, head_block = pl.program_id(0), pl.program_id(1)
+    H, K, S = query_ref.shape[1], slots_ref.shape[1], kv_ref.shape[2]
+    D, G = latent_dim, group_size
+    num_groups = D // G
+    scale_word, rope_word = D // 4, D // 4 + num_groups  # first scale word, first rope word
+    layer = layer_ref[0]
+    precision = _dot_precision(compute_dtype)
+    heads = head_block * block_h + jnp.arange(block_h, dtype=jnp.int32)
+    head_ok = heads < H
+    safe_heads = common.safe_index(heads, head_ok, H)
+
+    def load_query(start, size):
+        block = common.row_block((r,), safe_heads, start, size, interpret)
+        return common.gather(query_ref, block, jnp.broadcast_to(head_ok[:, None], (block_h, size)), 0).astype(compute_dtype)
+
+    q_latent, q_rope = load_query(0, D), load_query(D, rope_dim)  # [block_h, D], [block_h, rope]
+    column = jnp.arange(D, dtype=jnp.int32)[None, :]  # i32[1, D]: latent column
+
+    def byte_of(words, j):  # u8: byte j of each word
+        return ((words >> (8 * j)) & 0xFF).astype(jnp.uint8)
+
+    def dot_t(a, b):  # a [M, n] . b [N, n]^T -> f32[M, N]
+        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+    def body(step, carry):
+        running_max, total, acc = carry
+        k = step * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        slot = common.gather(slots_ref, (r, common.safe_index(k, k < K, K)), k < K, -1)
+        valid = slot >= 0
+        safe_slot = common.safe_index(slot, valid, S)
+
+        def load_words(word, n):  # u32[block_k, n]: words word .. word + n - 1 of the selected rows (0 if masked)
+            block = common.row_block((layer, r), safe_slot, word, n, interpret)
+            return common.gather(kv_ref, block, jnp.broadcast_to(valid[:, None], (block_k, n)), 0)
+
+        # Dequantise: fp8 bytes back in latent order (joined as bytes: the cheapest layout
+        # change), times their group's scale in f32, then the matmul dtype. A masked entry reads
+        # zero words: zero values, zero scale.
+        words = load_words(0, D // 4)
+        latent = _interleave4(*(byte_of(words, j) for j in range(4)))  # u8[block_k, D], latent order
+        latent = jax.lax.bitcast_convert_type(latent, jnp.float8_e4m3fn).astype(jnp.float32)
+        scale = 0.0
+        for g in range(num_groups):  # f32[block_k, D]: each column's group scale, by selects (no reshape)
+            word = common.gather(kv_ref, (layer, r, safe_slot, scale_word + g), valid, 0)  # u32[block_k]
+            scale = jnp.where(column // G == g, jax.lax.bitcast_convert_type(word, jnp.float32)[:, None], scale)
+        keys = (latent * scale).astype(compute_dtype)  # [block_k, D]
+        words = load_words(rope_word, rope_dim // 2)
+        halves = [((words >> (16 * j)) & 0xFFFF).astype(jnp.uint16) for j in range(2)]  # joined as u16, then bf16
+        rope = jnp.stack(halves, axis=-1).reshape(block_k, rope_dim)  # u16[block_k, rope], rope order
+        rope = jax.lax.bitcast_convert_type(rope, jnp.bfloat16).astype(compute_dtype)
+        scores = (dot_t(q_latent, keys) + dot_t(q_rope, rope)) * sm_scale  # f32[block_h, block_k]
+        scores = jnp.where(valid[None, :], scores, _MASKED)
+        new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))  # f32[block_h]
+        rescale = jnp.exp(running_max - new_max)
+        weights = jnp.exp(scores - new_max[:, None])  # f32[block_h, block_k]
+        total = total * rescale + jnp.sum(weights, axis=1)
+        acc = acc * rescale[:, None] + jax.lax.dot(
+            weights.astype(compute_dtype), keys, precision=precision, preferred_element_type=jnp.float32
+        )
+        return new_max, total, acc
+
+    init = (
+        jnp.full((block_h,), _RUNNING_MAX_START, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+        jnp.zeros((block_h, D), jnp.float32),
+    )
+    _, total, acc = jax.lax.fori_loop(0, pl.cdiv(K, block_k), body, init)
+    norm = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    block = common.row_block((r,), safe_heads, 0, D, interpret)
+    common.scatter(out_ref, block, acc * norm[:, None], jnp.broadcast_to(head_ok[:, None], (block_h, D)))
+
+
+def _check_fp8_kernel_sizes(layout) -> None:
+    """The kernel holds the latent and the rope words as single tiles: Triton needs power-of-two
+    sizes (512 / 4 = 128 words and 64 / 2 = 32 words for DeepSeek-V3.2)."""
+    D, rope = layout.latent_dim, layout.rope_dim
+    for name, n in (("latent_dim / 4", D // 4), ("rope_dim / 2", rope // 2)):
+        if n & (n - 1):
+            raise ValueError(f"the Pallas fp8 attention needs {name} ({n}) a power of two; use implementation='reference'")
+
+
+def default_launch_shape(num_requests: int, num_heads: int, quantized: bool = False) -> dict:
     """The kernel's launch shape (block_h, block_k, num_warps, num_stages) for R x H heads.
 
     Measured on the H200 (docs/PERFORMANCE.md, top_k 2048, bf16): 64-head blocks win once the
     grid is large (batch 128 x 128 heads: 406 us vs 614 us for 32-head blocks), 32-head blocks
-    with 128-row key blocks when it is small (batch 16 x 128 heads: 105 us vs 207 us)."""
+    with 128-row key blocks when it is small (batch 16 x 128 heads: 105 us vs 207 us).
+    fp8 rows (quantized) dequantise each key block through shared memory on top of that: FP8_LAUNCH."""
+    if quantized:
+        return dict(FP8_LAUNCH)
     if num_requests * num_heads >= 8192:
         return dict(block_h=64, block_k=64, num_warps=8, num_stages=2)
     return dict(block_h=32, block_k=128, num_warps=8, num_stages=2)
 
 
-def sparse_mla_attention_pallas(query, kv, layer, slots, *, latent_dim, sm_scale, block_h=None, block_k=None, num_warps=None, num_stages=None):
+# Measured on the H200 at batch 128 x 128 heads, top_k 2048 (us per call, back to back): 64-head
+# blocks of 32 keys, 8 warps, 2 stages: 741; 1 stage: 881; 64 keys, 1 stage: 887; 32-head blocks
+# of 64 keys, 8 warps: 1182; 4 warps: 1986; 64 keys with 2 stages or 128-head blocks need more
+# than the 227 KB of shared memory. bench_kernels (L2 flushed): 701 us, vs 415 us for bf16 rows.
+FP8_LAUNCH = dict(block_h=64, block_k=32, num_warps=8, num_stages=2)
+
+
+def sparse_mla_attention_pallas(
+    query, kv, layer, slots, *, latent_dim, sm_scale, layout=None, block_h=None, block_k=None, num_warps=None, num_stages=None
+):
     """The Pallas kernel: shapes as sparse_mla_attention_reference; the launch shape defaults
-    to default_launch_shape(R, H). One program per (request, head block)."""
-    _check_inputs(query, kv, layer, slots, latent_dim)
+    to default_launch_shape(R, H). One program per (request, head block). fp8 rows (layout)
+    are dequantised in the kernel; its matmuls run in the query's dtype (bf16, or f32 at full
+    precision for an f32 query), as plain rows' run in the row dtype."""
+    _check_inputs(query, kv, layer, slots, latent_dim, layout)
     R, H, _ = query.shape
-    shape = default_launch_shape(R, H)
+    shape = default_launch_shape(R, H, _quantized(layout))
     block_h = block_h or shape["block_h"]
     block_k = block_k or shape["block_k"]
     num_warps = num_warps or shape["num_warps"]
@@ -159,14 +306,29 @@ def sparse_mla_attention_pallas(query, kv, layer, slots, *, latent_dim, sm_scale
     # Triton dots need every dimension >= 16: pad the head block and mask the extra heads.
     block_h = max(16, min(block_h, common.next_power_of_2(H)))
     block_k = max(16, min(block_k, common.next_power_of_2(slots.shape[1])))
-    kernel = functools.partial(
-        _attention_kernel,
-        latent_dim=latent_dim,
-        sm_scale=float(sm_scale),
-        block_h=block_h,
-        block_k=block_k,
-        interpret=common.interpret_mode(),
-    )
+    if _quantized(layout):
+        _check_fp8_kernel_sizes(layout)
+        compute_dtype = jnp.float32 if jnp.dtype(query.dtype) == jnp.float32 else jnp.bfloat16
+        kernel = functools.partial(
+            _fp8_attention_kernel,
+            latent_dim=latent_dim,
+            group_size=layout.group_size,
+            rope_dim=layout.rope_dim,
+            sm_scale=float(sm_scale),
+            block_h=block_h,
+            block_k=block_k,
+            compute_dtype=compute_dtype,
+            interpret=common.interpret_mode(),
+        )
+    else:
+        kernel = functools.partial(
+            _attention_kernel,
+            latent_dim=latent_dim,
+            sm_scale=float(sm_scale),
+            block_h=block_h,
+            block_k=block_k,
+            interpret=common.interpret_mode(),
+        )
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((R, H, latent_dim), jnp.float32),
@@ -179,16 +341,24 @@ def sparse_mla_attention_pallas(query, kv, layer, slots, *, latent_dim, sm_scale
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), query, slots, kv)
 
 
-def sparse_mla_attention(query, kv, layer, slots, *, latent_dim, sm_scale, implementation=None, **tuning):
+def sparse_mla_attention(query, kv, layer, slots, *, latent_dim, sm_scale, layout=None, implementation=None, **tuning):
     """Sparse MLA decode attention; see the module docstring.
 
-    query: [R, H, W] (latent-absorbed q then rope q); kv: row[L, R, S, W]; layer: int or i32[];
-    slots: i32[R, K] (-1 masked) -> f32[R, H, D] with D = latent_dim. Raises ValueError on
-    inconsistent static shapes.
+    query: [R, H, D + rope] (latent-absorbed q then rope q); kv: row[L, R, S, W]; layer: int or
+    i32[]; slots: i32[R, K] (-1 masked) -> f32[R, H, D] with D = latent_dim. layout: the rows'
+    KVRowLayout (hisparse_jax.row_layout; required for fp8 rows, optional for plain ones, whose
+    dtype says it all). Raises ValueError on inconsistent static shapes.
     """
-    _check_inputs(query, kv, layer, slots, latent_dim)
-    if common.resolve_implementation(implementation) == "pallas":
-        return sparse_mla_attention_pallas(
-            query, kv, jnp.asarray(layer, jnp.int32), slots, latent_dim=latent_dim, sm_scale=sm_scale, **tuning
+    _check_inputs(query, kv, layer, slots, latent_dim, layout)
+    implementation = common.resolve_implementation(implementation)
+    if implementation == "tpu":
+        from pallas_kernels.tpu_sparse_mla_attention import sparse_mla_attention_tpu
+
+        return sparse_mla_attention_tpu(
+            query, kv, jnp.asarray(layer, jnp.int32), slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=layout, **tuning
         )
-    return sparse_mla_attention_reference(query, kv, layer, slots, latent_dim=latent_dim, sm_scale=sm_scale)
+    if implementation == "pallas":
+        return sparse_mla_attention_pallas(
+            query, kv, jnp.asarray(layer, jnp.int32), slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=layout, **tuning
+        )
+    return sparse_mla_attention_reference(query, kv, layer, slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=layout)

@@ -2,7 +2,8 @@
 
 Small sizes (top_k 8, B 16, contexts to ~120 tokens) so every path runs on CPU: the fast path,
 the transition at n = B + 1, long paths that hit, miss and evict. Device slots and host rows
-nothing has written are NaN, so a stray read shows up as a NaN in the output.
+nothing has written are NaN, so a stray read shows up as a NaN in the output. Rows are f32,
+bf16, or fp8 (FlashMLA's packed layout; the states are given row values and pack them).
 """
 
 import functools
@@ -134,6 +135,13 @@ def recent_and_random(rng, positions, layer):
     return out
 
 
+def stored_values(rows, layout_kind):
+    """The values attention reads back from rows[..., W] stored in `layout_kind` (fp8: dequantised)."""
+    layout = KVRowLayout(LATENT, ROPE, layout_kind)
+    latent, rope = layout.unpack(layout.pack(jnp.asarray(rows[..., :LATENT]), jnp.asarray(rows[..., LATENT:])))
+    return np.concatenate([np.asarray(latent), np.asarray(rope)], axis=-1)
+
+
 def dense_reference(query, rows_upto, topk):
     """float64 numpy attention over the true rows of the selected entries (each entry counts,
     repeats too; -1 is masked; a request with no valid entry gets zeros). Independent of the
@@ -150,13 +158,15 @@ def dense_reference(query, rows_upto, topk):
     return out
 
 
+@pytest.mark.parametrize("layout_kind", ["float32", "fp8_e4m3"])
 @pytest.mark.parametrize("implementation", ["reference", "pallas"])
-def test_hisparse_equals_no_offload_over_many_steps(implementation):
+def test_hisparse_equals_no_offload_over_many_steps(implementation, layout_kind):
     # Prompts: fits in B, crosses B during decode, far beyond B (buffer starts empty).
     prompt_lens = [3, 12, 60]
     results, rows, queries, state = run_decode(
-        implementation, jnp.float32, "float32", steps=40, prompt_lens=prompt_lens, select=recent_and_random
+        implementation, jnp.float32, layout_kind, steps=40, prompt_lens=prompt_lens, select=recent_and_random
     )
+    rows = stored_values(rows, layout_kind)  # fp8: what the packed rows hold; f32: the rows
     total_misses = 0
     for t, (out_h, out_f, hits, misses, topk, positions) in enumerate(results):
         assert np.all(np.isfinite(out_h)), f"step {t}: HiSparse read an unwritten (NaN) row"
@@ -203,11 +213,12 @@ def test_top_k_covering_the_context_equals_dense_attention():
                 np.testing.assert_allclose(out_h[layer, r], dense, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout_kind", ["float32", "fp8_e4m3"])
 @pytest.mark.parametrize("implementation", ["reference", "pallas"])
-def test_shared_layer_replays_anchor_plan(implementation):
+def test_shared_layer_replays_anchor_plan(implementation, layout_kind):
     """Layer 1 reuses layer 0's top-k and replays its miss plan: equal to no-offload."""
     results, *_ = run_decode(
-        implementation, jnp.float32, "float32", steps=25, prompt_lens=[5, 20, 70],
+        implementation, jnp.float32, layout_kind, steps=25, prompt_lens=[5, 20, 70],
         select=recent_and_random, shared_second_layer=True, seed=3,
     )
     misses = 0
@@ -286,8 +297,8 @@ def layer_args(**changes):
 
 
 STEP_SHAPE_ERRORS = [
-    (dict(query=jnp.zeros((R, H, W + 1))), r"query width \(49\) must equal the state's row width \(W\) \(48\)"),
-    (dict(new_row=jnp.zeros((R, W - 1))), r"new_row width \(47\) must equal the state's row width \(W\) \(48\)"),
+    (dict(query=jnp.zeros((R, H, W + 1))), r"query width \(49\) must equal the state's latent \+ rope width \(48\)"),
+    (dict(new_row=jnp.zeros((R, W - 1))), r"new_row width \(47\) must equal the state's row width \(48\)"),
     (dict(query=jnp.zeros((R + 1, H, W))), r"query batch \(4\) must equal the state's request slots \(R\) \(3\)"),
     (dict(new_row=jnp.zeros((R - 1, W))), r"new_row batch \(2\) must equal the state's request slots \(R\) \(3\)"),
     (dict(positions=jnp.zeros((R + 2,), jnp.int32)), r"positions batch \(5\) must equal the state's request slots"),
@@ -373,3 +384,105 @@ def test_sparse_mla_attention_checks_static_shapes(implementation, query_shape, 
     query, kv, slots = jnp.zeros(query_shape), jnp.zeros(kv_shape), jnp.zeros(slots_shape, jnp.int32)
     with pytest.raises(ValueError, match=message):
         sparse_mla_attention(query, kv, layer, slots, latent_dim=latent, sm_scale=SCALE, implementation=implementation)
+
+
+# ---- fp8 rows (FlashMLA's packed layout) ------------------------------------------------------
+
+FP8_LAYOUT = KVRowLayout(LATENT, ROPE, "fp8_e4m3")
+
+
+@pytest.mark.parametrize(
+    "query_dtype, tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)]
+)  # f32: full-precision matmuls; bf16: the bf16 rows' tolerance
+def test_fp8_attention_kernel_equals_reference(query_dtype, tolerance):
+    """The kernel dequantises fp8 rows itself; the reference unpacks them to f32. Slots nothing
+    selects are NaN (all-ones words), so a stray read shows."""
+    rng = np.random.default_rng(7)
+    S = 24
+    values = rng.standard_normal((L, R, S, W)).astype(np.float32)
+    values[..., :LATENT] *= np.exp(rng.uniform(-3, 3, (L, R, S, 1))).astype(np.float32)
+    kv = FP8_LAYOUT.pack(jnp.asarray(values[..., :LATENT]), jnp.asarray(values[..., LATENT:]))
+    slots = rng.integers(0, 16, (R, K)).astype(np.int32)
+    slots[0, 2] = slots[0, 5] = -1
+    slots[1, 3] = slots[1, 0]  # a repeat
+    slots[2] = -1  # nothing valid: zeros
+    nan_word = FP8_LAYOUT.fill_element(float("nan"))
+    kv = kv.at[:, :, 16:].set(nan_word).at[0].set(nan_word)  # slots >= 16 and the other layer
+    query = jnp.asarray(rng.standard_normal((R, H, W)), query_dtype)
+    attend = lambda impl: np.asarray(  # noqa: E731
+        sparse_mla_attention(query, kv, 1, jnp.asarray(slots), latent_dim=LATENT, sm_scale=SCALE, layout=FP8_LAYOUT, implementation=impl)
+    )
+    ref, got = attend("reference"), attend("pallas")
+    assert np.all(np.isfinite(got)) and np.all(np.isfinite(ref))
+    np.testing.assert_allclose(got, ref, rtol=tolerance, atol=tolerance * np.abs(ref).max())
+    np.testing.assert_array_equal(got[2], 0.0)
+    # The reference over the dequantised values, independent of the library's kernels.
+    deq = stored_values(values[1], "fp8_e4m3")  # [R, S, W]
+    q = np.asarray(query.astype(jnp.float32))
+    np.testing.assert_allclose(ref, dense_reference(q, deq, slots), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_rows_bf16_queries_within_tolerance_of_dense():
+    """bf16 queries over fp8 rows through whole decode steps (Pallas): HiSparse == no-offload bit
+    for bit, and within the bf16 tolerance of float64 attention over the dequantised rows."""
+    results, rows, queries, _ = run_decode(
+        "pallas", jnp.bfloat16, "fp8_e4m3", steps=8, prompt_lens=[10, 30, 50], select=recent_and_random, seed=1
+    )
+    rows = stored_values(rows, "fp8_e4m3")
+    misses = 0
+    for t, (out_h, out_f, _, m, topk, positions) in enumerate(results):
+        assert np.all(np.isfinite(out_h))
+        np.testing.assert_array_equal(out_h, out_f, err_msg=f"step {t}")
+        for layer in range(L):
+            q = np.asarray(jnp.asarray(queries[t, layer], jnp.bfloat16).astype(jnp.float32))
+            expected = dense_reference(q, rows[layer, :, : positions.max() + 1], topk[layer])
+            np.testing.assert_allclose(out_h[layer], expected, rtol=2e-2, atol=2e-2)
+        misses += m.sum()
+    assert misses > 0
+
+
+@pytest.fixture(scope="module")
+def fp8_states():
+    hisparse, full = make_states(jnp.float32, "fp8_e4m3")
+    return dict(hisparse=hisparse, full=full)
+
+
+@pytest.mark.parametrize("kind", ["hisparse", "full"])
+def test_fp8_states_hold_packed_rows(fp8_states, kind):
+    state = fp8_states[kind]
+    assert state.layout == FP8_LAYOUT
+    assert state.device_rows.dtype == jnp.uint32 and state.device_rows.shape[-1] == FP8_LAYOUT.width == 17
+    if kind == "hisparse":
+        assert state.host_pool.dtype == jnp.uint32 and state.host_pool.shape[-1] == 17
+    # Unwritten rows read as NaN (the fill), so a stray read shows.
+    assert np.all(np.isnan(np.asarray(FP8_LAYOUT.unpack(state.device_rows[0, 0, :2])[0])))
+
+
+@pytest.mark.parametrize("kind", ["hisparse", "full"])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        # The query meets the row's values: latent + rope (48), not the stored width (17).
+        (dict(query=jnp.zeros((R, H, 17))), r"query width \(17\) must equal the state's latent \+ rope width \(48\)"),
+        (dict(new_row=jnp.zeros((R, 17), jnp.float32)), r"new_row \(float32, width 17\) must be stored rows \(uint32, width 17\)"),
+        (dict(new_row=jnp.zeros((R, 48), jnp.uint32)), r"new_row \(uint32, width 48\) must be stored rows"),
+    ],
+)
+def test_fp8_attention_layer_checks_widths(fp8_states, kind, changes, message):
+    args = layer_args(**changes)
+    with pytest.raises(ValueError, match=message):
+        jax.eval_shape(lambda: attention_layer(fp8_states[kind], **args, latent_dim=LATENT, sm_scale=SCALE))
+    # Stored rows and row values are both accepted.
+    for row in (jnp.zeros((R, 17), jnp.uint32), jnp.zeros((R, 48), jnp.bfloat16)):
+        jax.eval_shape(lambda: attention_layer(fp8_states[kind], **layer_args(new_row=row), latent_dim=LATENT, sm_scale=SCALE))
+
+
+def test_fp8_attention_checks_the_layout():
+    kv = jnp.zeros((L, R, B, 17), jnp.uint32)
+    query, slots = jnp.zeros((R, H, W)), jnp.zeros((R, K), jnp.int32)
+    with pytest.raises(ValueError, match=r"kv rows of uint32 are packed: pass their layout="):
+        sparse_mla_attention(query, kv, 0, slots, latent_dim=LATENT, sm_scale=SCALE)
+    with pytest.raises(ValueError, match=r"query width \(17\) must equal the layout's latent \+ rope width \(48\)"):
+        sparse_mla_attention(jnp.zeros((R, H, 17)), kv, 0, slots, latent_dim=LATENT, sm_scale=SCALE, layout=FP8_LAYOUT)
+    with pytest.raises(ValueError, match=r"kv row width \(18\) must equal the fp8_e4m3 layout's row width \(W\) \(17\)"):
+        sparse_mla_attention(query, jnp.zeros((L, R, B, 18), jnp.uint32), 0, slots, latent_dim=LATENT, sm_scale=SCALE, layout=FP8_LAYOUT)

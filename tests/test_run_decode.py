@@ -105,6 +105,7 @@ BAD_INPUT = {
     "tp_size": (serving("--tp_size=3"), "the model's 4 attention heads do not split over 3 devices"),
     "unused_in_serving": (serving("--max_new_tokens=8"), "--max_new_tokens is not used by serving"),
     "positional": (serving("extra"), "unexpected arguments ['extra']"),
+    "kv_cache_dtype": (serving("--kv_cache_dtype=int4"), "--kv_cache_dtype='int4': use one of ('auto', 'bfloat16', 'fp8_e4m3')"),
     # checkpoint decoding: prompts
     "vocab": (checkpoint_decoding("vocab.npz"), "input_ids holds token id 512 outside the vocabulary [0, 512)"),
     "negative": (checkpoint_decoding("negative.npz"), "outside the vocabulary [0, 512)"),
@@ -136,6 +137,7 @@ BAD_INPUT = {
     "unused_flag": (checkpoint_decoding("ok.npz", "--context_length=64"), "--context_length is not used by checkpoint decoding"),
     "unused_tp": (checkpoint_decoding("ok.npz", "--tp_size=2"), "--tp_size is not used by checkpoint decoding"),
     "bad_unused_value": (checkpoint_decoding("ok.npz", "--context_length=0"), "--context_length must be an integer >= 2, got 0"),
+    "kv_cache_dtype_checkpoint": (checkpoint_decoding("ok.npz", "--kv_cache_dtype=int4"), "--kv_cache_dtype='int4': use one of"),
 }
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from hisparse_jax.row_layout import KVRowLayout
 from pallas_kernels import row_copy, swap_in
 from swap_in_oracle import swap_in_one_request
 
@@ -231,6 +232,40 @@ def test_copy_moves_exactly_the_planned_rows(implementation):
         for i in range(int(num_misses[r])):
             expected[1, r, miss_device[r, i]] = pool[1, miss_host[r, i]]
     np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_fp8_rows_copy_bit_exact(implementation):
+    """Packed fp8 rows (uint32 words, width 164 = 128 + 32 + 4 for 512 + 64) move as opaque rows:
+    the swap-in copy and the host write reproduce every bit; untouched slots keep theirs."""
+    layout = KVRowLayout(512, 64, "fp8_e4m3")
+    rng = np.random.default_rng(8)
+    L, R, B, S = 2, 3, 8, 40
+    values = rng.standard_normal((L, S, 576)).astype(np.float32)
+    pool = layout.pack(jnp.asarray(values[..., :512]), jnp.asarray(values[..., 512:]))  # u32[L, S, 164]
+    assert pool.shape == (L, S, 164) and pool.dtype == jnp.uint32
+    nan_word = layout.fill_element(float("nan"))
+    buffer = jnp.full((L, R, B + 1, layout.width), nan_word, jnp.uint32)
+    miss_host = jnp.asarray([[7, 3, -1, -1, -1], [39, 0, 12, 5, 1], [-1] * 5], jnp.int32)
+    miss_device = jnp.asarray([[2, 8, -1, -1, -1], [0, 1, 2, 3, 4], [-1] * 5], jnp.int32)
+    num_misses = jnp.asarray([2, 5, 0], jnp.int32)
+    out = jax.jit(
+        functools.partial(row_copy.copy_host_rows_to_buffer, implementation=implementation), static_argnums=2
+    )(pool, buffer, 1, miss_host, miss_device, num_misses)
+    expected = np.full((L, R, B + 1, layout.width), nan_word, np.uint32)
+    for r in range(R):
+        for i in range(int(num_misses[r])):
+            expected[1, r, miss_device[r, i]] = np.asarray(pool)[1, miss_host[r, i]]
+    np.testing.assert_array_equal(np.asarray(out), expected)
+    # Device -> host: rows land bit for bit in their slots, -1 skipped, the rest untouched.
+    rows = pool[0, :4] ^ jnp.uint32(0x01010101)  # other bits than the pool's
+    slots = jnp.asarray([5, -1, 0, 39], jnp.int32)
+    written = np.asarray(
+        jax.jit(functools.partial(row_copy.write_rows_to_host, implementation=implementation), static_argnums=1)(pool, 1, rows, slots)
+    )
+    expected = np.asarray(pool).copy()
+    expected[1, [5, 0, 39]] = np.asarray(rows)[[0, 2, 3]]
+    np.testing.assert_array_equal(written, expected)
 
 
 # ---- static shape checks ----------------------------------------------------------------------

@@ -66,6 +66,7 @@ class ServingArgs:
     max_running_requests: int = 8
     kv_budget_gb: float | None = None  # None: what max_running_requests HiSparse requests need
     dtype: str = "bfloat16"
+    kv_cache_dtype: str = "auto"  # SGLang's --kv-cache-dtype: auto (= dtype), bfloat16, fp8_e4m3
     num_prompts: int = 16
     random_input_len: int = 224
     random_output_len: int = 32
@@ -186,7 +187,7 @@ def _prepare(args: ServingArgs) -> _Prepared:
         budget, budget_source = int(args.kv_budget_gb * 1e9), "--kv_budget_gb"
     else:
         # Auto: HiSparse's R slots at full context fit exactly; the baseline gets the same bytes.
-        budget = args.max_running_requests * DeviceFootprint.of(config, dtype, hisparse).request_bytes(context)
+        budget = args.max_running_requests * DeviceFootprint.of(config, dtype, hisparse, args.kv_cache_dtype).request_bytes(context)
         budget_source = "auto: max_running_requests HiSparse requests at context_length"
     return _Prepared(config, hisparse, requests, context, model, model_name, budget, budget_source)
 
@@ -198,14 +199,14 @@ def run_serving(args: ServingArgs) -> dict:
     model, model_name, budget, budget_source = prepared.model, prepared.model_name, prepared.budget, prepared.budget_source
     concurrencies = args.max_concurrency or (args.max_running_requests,)
     try:
-        runner = ModelRunner(model, implementation=args.implementation, parallel=args.parallel)
+        runner = ModelRunner(model, implementation=args.implementation, parallel=args.parallel, kv_cache_dtype=args.kv_cache_dtype)
     except ParallelConfigError as error:  # too few devices for the mesh
         raise UsageError(f"--tp_size/--dp_size/--enable_dp_attention: {error}") from None
     os.makedirs(args.output_dir, exist_ok=True)
     prefix = "" if args.synthetic_topk_overlap is None else f"synthetic_overlap{args.synthetic_topk_overlap:g}_"
     results = dict(
         run=dict(
-            model=model_name, dtype=args.dtype, selection=args.label,
+            model=model_name, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, selection=args.label,
             devices=[str(d) for d in (runner.mesh.devices.flat if runner.mesh is not None else jax.devices()[:1])],
             parallel=dataclasses.asdict(args.parallel),
             jax_version=jax.__version__, context_length=context, max_running_requests=args.max_running_requests,
@@ -263,7 +264,7 @@ def run_prefill_instance(args: ServingArgs) -> str:
     """PD prefill instance: prefills the workload and hands every request's KV to the decode
     instance at --disaggregation_address (hisparse_jax.serving.disaggregation). Returns a report line."""
     prepared = _prepare(args)
-    runner = ModelRunner(prepared.model, implementation=args.implementation)
+    runner = ModelRunner(prepared.model, implementation=args.implementation, kv_cache_dtype=args.kv_cache_dtype)
     sender = KVSender(parse_address(args.disaggregation_address))
     first_token = jax.jit(lambda logits: jnp.argmax(logits).astype(jnp.int32))
     for request in prepared.requests:
@@ -279,7 +280,7 @@ def run_decode_instance(args: ServingArgs) -> dict:
     every request's tokens."""
     prepared = _prepare(args)
     hisparse = prepared.hisparse if args.enable_hisparse else None
-    runner = ModelRunner(prepared.model, implementation=args.implementation)
+    runner = ModelRunner(prepared.model, implementation=args.implementation, kv_cache_dtype=args.kv_cache_dtype)
     engine = _engine(runner, args, hisparse, prepared.context, prepared.budget)
     rows_kind = memory.PINNED_HOST if hisparse is not None else memory.DEVICE  # host pool, or device KV
     receiver = KVReceiver(parse_address(args.disaggregation_address), rows_memory_kind=rows_kind)
@@ -354,7 +355,7 @@ def _plot(results: dict, output_dir: str, prefix: str, label: str) -> dict:
 def format_report(results: dict) -> str:
     run = results["run"]
     lines = [
-        f"model {run['model']}, {run['dtype']}, selection: {run['selection']}",
+        f"model {run['model']}, {run['dtype']}, kv_cache_dtype {run['kv_cache_dtype']}, selection: {run['selection']}",
         f"workload: {run['workload']['num_prompts']} prompts, random_input_len {run['workload']['random_input_len']},"
         f" random_output_len {run['workload']['random_output_len']}, range ratio {run['workload']['random_range_ratio']}",
         f"device KV budget {run['kv_budget_bytes'] / 1e6:.3f} MB ({run['kv_budget_source']}); context_length"
@@ -381,7 +382,8 @@ def run_checkpoint_decode(job: CheckpointDecode) -> GenerateOutput:
     loading can find (missing or misshapen tensors, an unwritable output) is a UsageError too."""
     try:
         return decode_checkpoint(
-            job.checkpoint, job.prompts, job.output, max_new_tokens=job.max_new_tokens, dtype=DTYPES[job.dtype], hisparse=job.hisparse
+            job.checkpoint, job.prompts, job.output, max_new_tokens=job.max_new_tokens, dtype=DTYPES[job.dtype],
+            hisparse=job.hisparse, kv_cache_dtype=job.kv_cache_dtype,
         )  # fmt: skip
     except (CheckpointError, UnsupportedModelError) as error:
         raise UsageError(f"--checkpoint: {error}") from None

@@ -4,7 +4,7 @@
     prefill process: sender = KVSender(("127.0.0.1", 5757)); sender.send(request, runner.prefill_kv(prompt)); sender.close()
 
 Transport, and why:
-  * the arrays (every layer's KV rows, the indexer keys) go through JAX's own cross-process
+  * the arrays (every layer's KV rows, the indexer keys and, fp8 keys, their scales) go through JAX's own cross-process
     transfer, `jax.experimental.transfer`: the prefill side offers them (`await_pull`), the decode
     side pulls them straight into the memory it names: the KV rows into pinned host memory (they
     are bound for the HiSparse host pool, docs/background.md: the decode device never holds the
@@ -63,7 +63,7 @@ class KVSender:
 
     def send(self, request: Request, kv: PrefilledKV, first_token: int) -> None:
         uuid = next(self._uuids)
-        arrays = [*kv.rows, *kv.index_keys]
+        arrays = [*kv.rows, *kv.index_keys, *kv.index_key_scales]
         self._server.await_pull(uuid, arrays)
         self._offered[uuid] = arrays
         self._control.send(
@@ -74,6 +74,7 @@ class KVSender:
                 first_token=int(first_token),
                 rows=[(list(a.shape), a.dtype.name) for a in kv.rows],
                 index_keys=[(list(a.shape), a.dtype.name) for a in kv.index_keys],
+                index_key_scales=[(list(a.shape), a.dtype.name) for a in kv.index_key_scales],
             )  # fmt: skip
         )
         self._collect_acks(block=False)
@@ -126,12 +127,13 @@ class KVReceiver:
                     if address not in connections:
                         connections[address] = self._server.connect(address)
                     specs = [jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d), sharding=self._host) for s, d in message["rows"]]
-                    specs += [jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d), sharding=self._device) for s, d in message["index_keys"]]
+                    keys = message["index_keys"] + message["index_key_scales"]  # both bound for the device
+                    specs += [jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d), sharding=self._device) for s, d in keys]
                     arrays = connections[address].pull(message["uuid"], specs)
                     jax.block_until_ready(arrays)
                     control.send(dict(uuid=message["uuid"]))
-                    L = len(message["rows"])
-                    kv = PrefilledKV(tuple(arrays[:L]), tuple(arrays[L:]), None)
+                    L, J = len(message["rows"]), len(message["index_keys"])
+                    kv = PrefilledKV(tuple(arrays[:L]), tuple(arrays[L : L + J]), None, tuple(arrays[L + J :]))
                     request = Request(
                         message["id"], np.asarray(message["prompt"], np.int32), message["max_new_tokens"],
                         message["eos_token_id"], prefilled=kv, first_token=message["first_token"],

@@ -126,7 +126,7 @@ class Engine:
         if hisparse is not None and hisparse.top_k != model.index_topk:
             raise UsageError(f"hisparse_config top_k ({hisparse.top_k}) must equal the model's index_topk ({model.index_topk})")
         R, C = config.max_running_requests, config.context_length
-        self.footprint = DeviceFootprint.of(model, runner.dtype, hisparse)
+        self.footprint = DeviceFootprint.of(model, runner.dtype, hisparse, runner.kv_cache_dtype)  # the runner's cache format
         self.cache: DecodeCache = self._empty_cache()
         # Data-parallel attention (runner.mesh): each group schedules its own slots, host pool
         # block and share of the device budget, as SGLang's DP ranks do.
@@ -209,7 +209,7 @@ class Engine:
         return int(self._argmax(logits))
 
     def _retire(self, slot: int) -> None:
-        self.cache = DecodeCache(self._end(self.cache.kv, jnp.int32(slot)), self.cache.index_keys)
+        self.cache = dataclasses.replace(self.cache, kv=self._end(self.cache.kv, jnp.int32(slot)))
         self.scheduler.finish(slot)
 
     def _abort(self) -> None:
@@ -225,7 +225,7 @@ class Engine:
             self.cache = self._empty_cache()
         else:
             for slot in slots:
-                self.cache = DecodeCache(self._end(self.cache.kv, jnp.int32(slot)), self.cache.index_keys)
+                self.cache = dataclasses.replace(self.cache, kv=self._end(self.cache.kv, jnp.int32(slot)))
 
     # ---- the loop -----------------------------------------------------------------------------------
 

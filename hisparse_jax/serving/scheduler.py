@@ -18,25 +18,24 @@ import dataclasses
 import heapq
 from typing import NamedTuple
 
-import numpy as np
-
 from configs.model import DSAModelConfig
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.serving.errors import UsageError
 from hisparse_jax.host_pages import HostPageAllocator
 from hisparse_jax.serving.workload import Request
 from hisparse_jax.row_layout import KVRowLayout
+from models.indexer import index_key_bytes, index_key_dtype
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceFootprint:
     """Device bytes one request holds: its KV rows (a hot buffer with HiSparse, else every row)
-    plus its indexer keys, which stay on the device for the whole context (HISPARSE.md 2)."""
+    plus its indexer keys, which stay on the device for the whole context (docs/background.md)."""
 
     num_layers: int  # layers with a KV cache (all of them)
     num_index_layers: int  # full-indexer layers, each caching one key per token
-    row_bytes: int  # one KV row of one layer
-    key_bytes: int  # one indexer key of one layer
+    row_bytes: int  # one KV row of one layer (KVRowLayout.bytes_per_row)
+    key_bytes: int  # one indexer key of one layer: I x element size, + a 4 B scale with fp8 keys
     buffer_size: int | None  # HiSparse's B; None: the baseline, every row on the device
 
     def request_bytes(self, num_tokens: int) -> int:
@@ -50,13 +49,15 @@ class DeviceFootprint:
         return budget_bytes // self.request_bytes(num_tokens)
 
     @classmethod
-    def of(cls, config: DSAModelConfig, dtype, hisparse: HiSparseConfig | None) -> "DeviceFootprint":
-        layout = KVRowLayout.for_dtype(config.kv_lora_rank, config.qk_rope_head_dim, dtype)
+    def of(cls, config: DSAModelConfig, dtype, hisparse: HiSparseConfig | None, kv_cache_dtype: str = "auto") -> "DeviceFootprint":
+        """The footprint of a model whose params are `dtype` with caches in `kv_cache_dtype`
+        (models.decoding.create_cache's: "auto" is `dtype`)."""
+        layout = KVRowLayout.for_kv_cache_dtype(config.kv_lora_rank, config.qk_rope_head_dim, dtype, kv_cache_dtype)
         return cls(
             num_layers=config.num_layers,
             num_index_layers=len(config.full_indexer_layers),
             row_bytes=layout.bytes_per_row,
-            key_bytes=config.index_head_dim * np.dtype(dtype).itemsize,  # keys are cached in the model dtype
+            key_bytes=index_key_bytes(config.index_head_dim, index_key_dtype(kv_cache_dtype, dtype)),
             buffer_size=None if hisparse is None else hisparse.device_buffer_size,
         )
 

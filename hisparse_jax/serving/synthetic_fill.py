@@ -3,7 +3,8 @@
 A PD decode instance receives each request's finished KV (docs/background.md); decode throughput is
 what HiSparse changes. This writes random rows where the model's prefill would write them (the
 host pool with HiSparse, the device KV without) and random indexer keys into the device key
-cache, so prefill stays out of a benchmark's timing. Every figure produced this way is labelled
+cache (in its format: fp8 keys quantised with their scales), so prefill stays out of a
+benchmark's timing. Every figure produced this way is labelled
 synthetic-context.
 
 Letters: L layers, J full-indexer layers, T positions filled (static), W row width, I key width.
@@ -18,19 +19,25 @@ import jax.numpy as jnp
 
 from hisparse_jax import sharding as dp_sharding
 from hisparse_jax.kv_cache_ops import begin_request, store_prefill_rows
-from models.decoding import DecodeCache, cache_shardings
+from models.decoding import DecodeCache, cache_shardings, write_index_keys
+
+
+def _random_rows(key, num_positions: int, layout):
+    """row[T, W] as the state stores them: random latent and rope values packed by its
+    KVRowLayout (plain rows: the values cast; fp8 rows: quantised into words)."""
+    values = jax.random.normal(key, (num_positions, layout.latent_dim + layout.rope_dim), jnp.float32)
+    return layout.pack(values[:, : layout.latent_dim], values[:, layout.latent_dim :])
 
 
 def _fill(cache, slot, prompt_len, host_pages, key, *, num_positions: int, implementation, mesh):
     """begin_request, then random rows for positions < prompt_len of every layer (host pool or
     device KV, as store_prefill_rows puts a prefill's) and random indexer keys. host_pages i32[P]."""
-    kv, index_keys = cache.kv, cache.index_keys
+    kv, index_keys, key_scales = cache.kv, cache.index_keys, cache.index_key_scales
     J, _, C, I = index_keys.shape
-    rows_like = kv.device_rows
-    L, W, dtype = kv.num_layers, rows_like.shape[-1], rows_like.dtype
+    L = kv.num_layers
     kv = begin_request(kv, slot, prompt_len, host_pages)
     for layer in range(L):
-        rows = jax.random.normal(jax.random.fold_in(key, layer), (num_positions, W), jnp.float32).astype(dtype)  # row[T, W]
+        rows = _random_rows(jax.random.fold_in(key, layer), num_positions, kv.layout)  # row[T, W]
         if mesh is None:
             kv = store_prefill_rows(kv, layer, slot, 0, rows, prompt_len, implementation=implementation)
         else:  # only the slot's data-parallel group writes, into its own pool block
@@ -39,8 +46,8 @@ def _fill(cache, slot, prompt_len, host_pages, key, *, num_positions: int, imple
     target = jnp.where(positions < prompt_len, positions, C)  # i32[T]; past the prompt: dropped
     for j in range(J):
         keys = jax.random.normal(jax.random.fold_in(key, L + j), (num_positions, I), jnp.float32)  # f32[T, I]
-        index_keys = index_keys.at[j, slot, target].set(keys.astype(index_keys.dtype), mode="drop")
-    return DecodeCache(kv, index_keys)
+        index_keys, key_scales = write_index_keys(index_keys, key_scales, j, slot, target, keys)
+    return DecodeCache(kv, index_keys, key_scales)
 
 
 class SyntheticFill:

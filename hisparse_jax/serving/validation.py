@@ -4,7 +4,7 @@ prints it as one `error: ...` line and exits with status 2.
 
     check_flags(SERVING, values, present)                 # values: every flag; present: those set
     job = check_checkpoint_decode("ckpt/", "p.npz", "o.npz", max_new_tokens=32, dtype="bfloat16",
-                                  enable_hisparse=True, hisparse_config="")
+                                  enable_hisparse=True, hisparse_config="", kv_cache_dtype="fp8_e4m3")
 
 Checks on the model's own inputs (prompt ids against the vocabulary, lengths against
 max_position_embeddings, HiSparse top_k, the tensor/data-parallel split, the .npz files) live in
@@ -36,6 +36,8 @@ MODELS = {
     "glm_5_2": DSAModelConfig.glm_5_2,
 }
 DTYPE_NAMES = ("bfloat16", "float32")
+# SGLang's --kv-cache-dtype values offered here (models.decoding.create_cache also takes float32).
+KV_CACHE_DTYPE_NAMES = ("auto", "bfloat16", "fp8_e4m3")
 IMPLEMENTATIONS = ("reference", "pallas")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
@@ -45,7 +47,7 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 SERVING = "serving (no --prompts/--output)"
 CHECKPOINT_DECODING = "checkpoint decoding (--prompts/--output)"
 CHECKPOINT_DECODING_FLAGS = frozenset(
-    {"checkpoint", "prompts", "output", "max_new_tokens", "dtype", "enable_hisparse", "hisparse_config"}
+    {"checkpoint", "prompts", "output", "max_new_tokens", "dtype", "kv_cache_dtype", "enable_hisparse", "hisparse_config"}
 )
 CHECKPOINT_DECODING_ONLY = frozenset({"prompts", "output", "max_new_tokens"})
 
@@ -129,6 +131,7 @@ def _hisparse_json(name: str, value) -> None:
 _RULES = {
     "model": _model,
     "dtype": _one_of(DTYPE_NAMES),
+    "kv_cache_dtype": _one_of(KV_CACHE_DTYPE_NAMES),
     "implementation": _one_of(IMPLEMENTATIONS),
     "disaggregation_mode": _one_of(DISAGGREGATION_MODES),
     **dict.fromkeys(
@@ -223,6 +226,7 @@ class CheckpointDecode:
     hisparse: HiSparseConfig | None
     config: DSAModelConfig
     prompts_shape: tuple[int, int]
+    kv_cache_dtype: str = "auto"
 
 
 def check_checkpoint_decode(
@@ -234,6 +238,7 @@ def check_checkpoint_decode(
     dtype: str,
     enable_hisparse: bool,
     hisparse_config: str,
+    kv_cache_dtype: str = "auto",
 ) -> CheckpointDecode:
     """Everything checkpoint decoding reads, checked against the checkpoint's config.json before
     any weight is loaded (or JAX started)."""
@@ -241,7 +246,8 @@ def check_checkpoint_decode(
         raise UsageError(f"{CHECKPOINT_DECODING} needs --checkpoint=DIR")
     if prompts is None or output is None:
         raise UsageError("checkpoint decoding needs --prompts=FILE.npz and --output=FILE.npz (or drop them to serve a random workload)")
-    for name, value in (("max_new_tokens", max_new_tokens), ("dtype", dtype), ("hisparse_config", hisparse_config)):
+    checked = (("max_new_tokens", max_new_tokens), ("dtype", dtype), ("kv_cache_dtype", kv_cache_dtype), ("hisparse_config", hisparse_config))
+    for name, value in checked:
         check_flag(name, value)
     with flag_errors("--output"):
         inputs.check_output_path(output)
@@ -251,4 +257,4 @@ def check_checkpoint_decode(
     with flag_errors("--max_new_tokens"):
         inputs.check_context(ids.shape[1], max_new_tokens, config)
     hisparse = resolve_hisparse_config(hisparse_config, config) if enable_hisparse else None
-    return CheckpointDecode(checkpoint, prompts, output, max_new_tokens, dtype, hisparse, config, ids.shape)
+    return CheckpointDecode(checkpoint, prompts, output, max_new_tokens, dtype, hisparse, config, ids.shape, kv_cache_dtype)
