@@ -77,7 +77,11 @@ class Experts(nnx.Module):
         h = jax.nn.silu(grouped(xs, self.gate_proj[...])) * grouped(xs, self.up_proj[...])  # [M, F]
         out = grouped(h, self.down_proj[...]).astype(jnp.float32)  # f32[M, D]
         out = out * weights.reshape(-1)[order][:, None]
-        return jnp.zeros((T, x.shape[-1]), jnp.float32).at[token].add(out).astype(x.dtype)
+        # Back to (token, choice) order, then a fixed-order sum over the X choices. A scatter-add
+        # into [T, D] would sum in whatever order the GPU's atomics land: on the H200 two
+        # identical runs then differed in their logits from the first decode step.
+        unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # f32[M, D]
+        return unsorted.reshape(T, X, -1).sum(axis=1).astype(x.dtype)
 
 
 class MoE(nnx.Module):
