@@ -2,7 +2,7 @@
 
 Semantics of transformers 5.24.0 (`minimax_m3_vl` package, model_type `minimax_m3_vl_text`;
 the VL wrapper `minimax_m3_vl` carries it as `text_config`). See
-/work/shared/reference/MODELS_V4_M3.md (copied into docs/models.md's MiniMax-M3 section):
+docs/models.md, MiniMax-M3 section:
 
   - GQA attention with per-head Gemma RMSNorm q_norm / k_norm, half-split RoPE on the first
     `rotary_dim` channels of each head;

@@ -1,6 +1,6 @@
 """How MiniMax-M3 maps onto HiSparse (the plan only; decoding still keeps every row on the device).
 
-Which caches go where (the seeds in MODELS_V4_M3.md, "Released-size cache per layer"):
+Which caches go where (docs/models.md, MiniMax-M3):
   - full_attention layers attend every key: their K/V stay on the device (no selection to
     drive a swap-in);
   - the index keys of sparse layers stay on the device: the indexer scores every past key

@@ -1,6 +1,6 @@
 """Hugging Face MiniMax-M3 checkpoints -> MiniMaxM3ForCausalLM.
 
-Two key-name schemes are read (reference: MODELS_V4_M3.md, "Checkpoint names"):
+Two key-name schemes are read (docs/models.md, MiniMax-M3):
 
   module names (what transformers 5.24.0's `save_pretrained` writes for `minimax_m3_vl_text`,
   the tiny fixture): `model.layers.i.self_attn.indexer.q_proj.weight`, packed routed experts
