@@ -3,7 +3,10 @@
 Each public op takes `implementation=`:
   "reference": the plain jnp function a reader checks line by line against the contract;
   "pallas":    the Pallas kernel (Triton lowering on GPU, `interpret=True` elsewhere);
-  None:        "pallas" on GPU, "reference" elsewhere (interpret mode is for testing, not speed).
+  "tpu":       the Pallas TPU kernel (Mosaic lowering on TPU, TPU interpret mode elsewhere:
+               `interpret=pltpu.InterpretParams()`, which simulates DMAs and semaphores);
+  None:        "pallas" on GPU, "tpu" on TPU, "reference" elsewhere (interpret mode is for
+               testing, not speed).
 A named implementation runs or raises; it never silently falls back.
 
 Every public op checks the static shapes it depends on and raises a ValueError naming both
@@ -26,13 +29,13 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-IMPLEMENTATIONS = ("reference", "pallas")
+IMPLEMENTATIONS = ("reference", "pallas", "tpu")
 
 
 def resolve_implementation(implementation: str | None) -> str:
-    """The implementation an `implementation=` argument selects: "reference" or "pallas"."""
+    """The implementation an `implementation=` argument selects: "reference", "pallas" or "tpu"."""
     if implementation is None:
-        return "pallas" if on_gpu() else "reference"
+        return "pallas" if on_gpu() else "tpu" if on_tpu() else "reference"
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {implementation!r}")
     return implementation
@@ -41,6 +44,19 @@ def resolve_implementation(implementation: str | None) -> str:
 def on_gpu() -> bool:
     """Whether JAX's default backend is a GPU."""
     return jax.default_backend() == "gpu"
+
+
+def on_tpu() -> bool:
+    """Whether JAX's default backend is a TPU."""
+    return jax.default_backend() == "tpu"
+
+
+def tpu_interpret():
+    """The `interpret=` of a Pallas TPU kernel: compiled (False) on a TPU, else TPU interpret
+    mode (pltpu.InterpretParams: DMAs, semaphores and SMEM/VMEM simulated on the CPU)."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    return False if on_tpu() else pltpu.InterpretParams()
 
 
 def interpret_mode() -> bool:

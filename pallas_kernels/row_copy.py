@@ -9,6 +9,8 @@ On GPU both kernels address the pinned host pool directly (UVA over PCIe): no st
 the pool exists; benchmarks/bench_kernels.py asserts the compiled HLO holds none. Rows move as
 opaque `W`-wide arrays, split into power-of-two pieces (Triton's rule): 576 = 512 + 64.
 
+implementation="tpu" moves the same rows as DMAs (pallas_kernels/tpu_row_copy.py).
+
 Shape letters: L layers, R requests, K plan entries, S host pool rows, N rows to write,
 W row width, B1 = B + 1 device slots per request.
 """
@@ -138,7 +140,12 @@ def copy_host_rows_to_buffer(
     Returns the updated device_buffer; raises ValueError on inconsistent static shapes.
     """
     _check_copy_inputs(pool, device_buffer, layer, miss_host, miss_device, num_misses)
-    if common.resolve_implementation(implementation) == "pallas":
+    implementation = common.resolve_implementation(implementation)
+    if implementation == "tpu":
+        from pallas_kernels.tpu_row_copy import copy_host_rows_to_buffer_tpu
+
+        return copy_host_rows_to_buffer_tpu(pool, device_buffer, jnp.asarray(layer, jnp.int32), miss_host, miss_device, num_misses)
+    if implementation == "pallas":
         return copy_host_rows_to_buffer_pallas(
             pool, device_buffer, jnp.asarray(layer, jnp.int32), miss_host, miss_device, num_misses, rows=rows_per_program
         )
@@ -209,6 +216,11 @@ def write_rows_to_host(pool, layer, rows, host_slots, *, implementation=None):
     (hisparse_jax.state.state_shardings). Raises ValueError on inconsistent static shapes.
     """
     _check_write_inputs(pool, layer, rows, host_slots)
-    if common.resolve_implementation(implementation) == "pallas":
+    implementation = common.resolve_implementation(implementation)
+    if implementation == "tpu":
+        from pallas_kernels.tpu_row_copy import write_rows_to_host_tpu
+
+        return write_rows_to_host_tpu(pool, jnp.asarray(layer, jnp.int32), rows, host_slots)
+    if implementation == "pallas":
         return write_rows_to_host_pallas(pool, jnp.asarray(layer, jnp.int32), rows, host_slots)
     return write_rows_to_host_reference(pool, layer, rows, host_slots)

@@ -18,7 +18,7 @@ and joined likewise; the keys then go to the same two matmuls as plain rows, in 
 dtype (bf16; f32 at full precision for an f32 query).
 
 implementation="tpu" (pallas_kernels/tpu_sparse_mla_attention.py) gathers the selected rows by
-DMA into VMEM instead (bf16 / f32 rows; fp8 rows raise NotImplementedError there).
+DMA into VMEM instead, and dequantises fp8 rows in VMEM.
 
 Shape letters: R requests, H heads, K selected entries, W stored row width, D latent (value)
 width, L layers, S slots per request. The query is D + rope wide (the row's values).

@@ -19,6 +19,9 @@ B = device_buffer_size:
     kernel (pallas_kernels.row_copy) moves exactly these rows; shared-index layers replay it.
   * B >= K, so a step's misses always find victims (checked: ValueError otherwise).
 
+implementation="tpu" (pallas_kernels/tpu_swap_in.py) computes the same plan, bit for bit, with
+comparison matrices in VMEM instead of the scratch hash.
+
 Shape letters: R requests, K top-k entries, B buffer slots, L layers, C max context,
 P host pages per request.
 """
@@ -419,6 +422,12 @@ def swap_in_plan(buffer_tokens, lru_slots, scratch, layer, topk, lengths, page_t
         buffer_tokens, lru_slots, topk, lengths, page_table, stacked=True, scratch=scratch, layer=layer
     )
     implementation = common.resolve_implementation(implementation)
+    if implementation == "tpu":
+        from pallas_kernels.tpu_swap_in import swap_in_plan_tpu
+
+        return swap_in_plan_tpu(
+            buffer_tokens, lru_slots, scratch, jnp.asarray(layer, jnp.int32), topk, lengths, page_table, page_size=page_size
+        )
     if implementation == "pallas":
         return swap_in_plan_pallas(
             buffer_tokens, lru_slots, scratch, jnp.asarray(layer, jnp.int32), topk, lengths, page_table, page_size=page_size
