@@ -20,10 +20,10 @@ for sliding layers, `compress` for CSA/HCA attention, compressors and the indexe
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Mapping
 
+from configs.hf_json import read_config_json
 from configs.model import RopeConfig, UnsupportedModelError
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -145,21 +145,7 @@ class DeepseekV4Config:
         (`compress_ratios`, `compress_rate_csa/hca`, `num_hash_layers`, `qk_rope_head_dim`, a flat
         YaRN `rope_parameters`) are folded in as its `__post_init__` does.
         """
-        if isinstance(source, Mapping):
-            raw = dict(source)
-        else:
-            path = os.fspath(source)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            try:
-                with open(path) as f:
-                    raw = json.load(f)
-            except FileNotFoundError:
-                raise FileNotFoundError(f"no config.json at {path}") from None
-            except (OSError, json.JSONDecodeError) as error:
-                raise ValueError(f"cannot read model config {path}: {error}") from None
-            if not isinstance(raw, dict):
-                raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+        raw = read_config_json(source)
         return _from_hf_dict(raw)
 
     # ---- named configs -------------------------------------------------------------------------

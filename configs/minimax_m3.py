@@ -19,10 +19,10 @@ docs/models.md, MiniMax-M3 section:
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Mapping
 
+from configs.hf_json import read_config_json
 from configs.model import UnsupportedModelError
 
 TEXT_MODEL_TYPE = "minimax_m3_vl_text"
@@ -135,21 +135,7 @@ class MiniMaxM3Config:
         """From a config.json (dict, file or checkpoint directory) of model_type
         `minimax_m3_vl_text`, or of the VL wrapper `minimax_m3_vl` (its `text_config` is used).
         Missing fields take transformers 5.24.0's config-class defaults."""
-        if isinstance(source, Mapping):
-            raw = dict(source)
-        else:
-            path = os.fspath(source)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            try:
-                with open(path) as f:
-                    raw = json.load(f)
-            except FileNotFoundError:
-                raise FileNotFoundError(f"no config.json at {path}") from None
-            except (OSError, json.JSONDecodeError) as error:
-                raise ValueError(f"cannot read model config {path}: {error}") from None
-            if not isinstance(raw, dict):
-                raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+        raw = read_config_json(source)
         return _from_hf_dict(raw)
 
     # ---- named configs -------------------------------------------------------------------------

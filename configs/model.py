@@ -14,10 +14,11 @@ Two Hugging Face model types are supported, with the semantics of transformers 5
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from typing import Any, Mapping
+
+from configs.hf_json import read_config_json
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 _ROPE_TYPES = ("default", "yarn")
@@ -185,21 +186,7 @@ class DSAModelConfig:
         Missing fields take the defaults of transformers' config class for the model type, as
         `from_pretrained` would.
         """
-        if isinstance(source, Mapping):
-            raw = dict(source)
-        else:
-            path = os.fspath(source)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            try:
-                with open(path) as f:
-                    raw = json.load(f)
-            except FileNotFoundError:
-                raise FileNotFoundError(f"no config.json at {path}") from None
-            except (OSError, json.JSONDecodeError) as error:
-                raise ValueError(f"cannot read model config {path}: {error}") from None
-            if not isinstance(raw, dict):
-                raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+        raw = read_config_json(source)
         return _from_hf_dict(raw)
 
     # ---- named configs -------------------------------------------------------------------------
