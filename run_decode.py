@@ -5,6 +5,10 @@
     python run_decode.py --synthetic_topk_overlap=0.9        # SYNTHETIC selection, labelled as such
     python run_decode.py --checkpoint=DIR --prompts=prompts.npz --output=out.npz --max_new_tokens=32
 
+Checkpoint decoding takes DSA (deepseek_v32, glm_moe_dsa), DeepSeek-V4 (deepseek_v4) and MiniMax-M3
+(minimax_m3_vl_text, minimax_m3_vl) checkpoints, by config.json's model_type (models.families);
+serving runs DSA models only.
+
 Flags follow SGLang (server: --enable-hisparse, --hisparse-config, --context-length,
 --max-running-requests, --dtype, --kv-cache-dtype; bench_serving: --num-prompts, --random-input-len,
 --random-output-len, --random-range-ratio, --max-concurrency, --seed) with underscores.
@@ -125,6 +129,8 @@ def main(argv):
                 kv_cache_dtype=_KV_CACHE_DTYPE.value,
             )  # fmt: skip
         else:
+            if _CHECKPOINT.value is not None:  # its config.json: a model serving runs (DSA), before JAX starts
+                validation.checkpoint_config(_CHECKPOINT.value)
             devices = _TP_SIZE.value if _ENABLE_DP_ATTENTION.value else _TP_SIZE.value * _DP_SIZE.value
             _use_host_devices(devices)
         # Inputs checked: now start JAX (after _use_host_devices, which it reads on start).

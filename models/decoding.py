@@ -41,10 +41,10 @@ from hisparse_jax.host_pages import HostPageAllocator
 from hisparse_jax.kv_cache_ops import advance, begin_request, store_prefill_rows
 from hisparse_jax.row_layout import KVRowLayout
 from hisparse_jax.state import FullKVState, HiSparseState, state_shardings
-from models import inputs, rope
+from models import families, inputs, rope
 from models.decoder import DSAForCausalLM, DecoderLayer
+from models.loading import load_hf_checkpoint  # noqa: F401  (models.families' DSA loader, patched in tests)
 from models.indexer import dequantize_keys, index_key_dtype, index_scores, is_fp8, quantize_keys, select_topk
-from models.loading import load_hf_checkpoint
 from models.parallel import shard_params
 
 DEFAULT_PREFILL_CHUNK = 128
@@ -493,24 +493,28 @@ def decode_checkpoint(
     dtype=jnp.bfloat16,
     hisparse: HiSparseConfig | None = None,
     kv_cache_dtype: str = "auto",
-) -> GenerateOutput:
+) -> families.DecodeOutput:
     """Loads a Hugging Face checkpoint, greedy-decodes the prompts of an .npz (`input_ids`
     int32 [B, T]) and writes `tokens` int32 [B, N] and `logits` float32 [B, N, V] to output_path
-    (which must end in .npz: it is the file written). kv_cache_dtype: as create_cache's.
+    (which must end in .npz: it is the file written). kv_cache_dtype: as create_cache's (DSA
+    models; DeepSeek-V4 and MiniMax-M3 keep their caches in `dtype` and take "auto" only).
 
-    Every input (config.json, the prompts against it, max_new_tokens, hisparse, the output path)
-    is checked before the weights load (models.inputs.InputError); the output appears whole or
-    not at all (written aside, then renamed)."""
+    The model family comes from config.json's model_type (models.families: deepseek_v32 /
+    glm_moe_dsa, deepseek_v4, minimax_m3_vl_text / minimax_m3_vl), which picks the loader and the
+    decode function (HiSparse on or off). Every input (config.json, the prompts against it,
+    max_new_tokens, hisparse, the output path) is checked before the weights load
+    (models.inputs.InputError); the output appears whole or not at all (written aside, then renamed)."""
     config = inputs.load_config(checkpoint)
+    family = families.family_of_config(config)
     prompts = inputs.check_prompts(
         inputs.read_prompts(prompts_path), config, max_new_tokens=max_new_tokens, name=f"{os.fspath(prompts_path)} input_ids"
     )
     inputs.check_hisparse(hisparse, config)
+    inputs.check_kv_cache_dtype(kv_cache_dtype, config, np.dtype(dtype).name)
     index_key_dtype(kv_cache_dtype, dtype)  # a ValueError for an unknown name, before the weights load
     output_path = inputs.check_output_path(output_path)
-    model = load_hf_checkpoint(checkpoint, dtype=dtype)
-    logging.info("loaded %s: %s, %d layers, params %s", checkpoint, model.config.model_type, model.config.num_layers, np.dtype(dtype).name)
-    out = generate(model, prompts, max_new_tokens, hisparse=hisparse, kv_cache_dtype=kv_cache_dtype)
+    out = family.decode(checkpoint, prompts, max_new_tokens, dtype=dtype, hisparse=hisparse, kv_cache_dtype=kv_cache_dtype)
+    logging.info("decoded %s: %s (%s family), params %s", checkpoint, config.model_type, family.name, np.dtype(dtype).name)
     partial = f"{output_path}.partial-{os.getpid()}"
     try:
         with open(partial, "wb") as f:  # a file object: np.savez appends no suffix
@@ -519,6 +523,6 @@ def decode_checkpoint(
     finally:
         if os.path.exists(partial):
             os.remove(partial)
-    if hisparse is not None and out.num_misses.size:
-        logging.info("hisparse: %d hits, %d misses over %d decode steps", out.num_hits.sum(), out.num_misses.sum(), len(out.num_misses))
+    if out.num_misses is not None and np.size(out.num_misses):
+        logging.info("hisparse: %d misses over %d decode steps", np.sum(out.num_misses), len(out.num_misses))
     return out

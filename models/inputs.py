@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from configs.model import DSAModelConfig
+from models import families
 
 
 class InputError(ValueError):
@@ -73,11 +74,27 @@ def check_context(prompt_len: int, max_new_tokens: Any, config: DSAModelConfig) 
         )
 
 
-def check_hisparse(hisparse, config: DSAModelConfig) -> None:
-    """HiSparse (a HiSparseConfig, or None for no offload) swaps in what the indexer selects: its
-    top_k must be the model's index_topk."""
-    if hisparse is not None and hisparse.top_k != config.index_topk:
-        raise InputError(f"HiSparse top_k ({hisparse.top_k}) must equal the model's index_topk ({config.index_topk})")
+def check_hisparse(hisparse, config) -> None:
+    """HiSparse (a HiSparseConfig, or None for no offload) swaps in what the model selects: its
+    top_k must be the model's selection width (DSA, DeepSeek-V4: index_topk; MiniMax-M3: fixed by
+    the model, index_topk_blocks x index_block_size), plus the family's own limits
+    (models.families)."""
+    try:
+        families.check_hisparse(config, hisparse)
+    except ValueError as error:
+        raise InputError(str(error)) from None
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, config, dtype: str) -> None:
+    """DeepSeek-V4 and MiniMax-M3 keep their caches in the model dtype: only kv_cache_dtype "auto"
+    (or the model dtype's own name) is taken; DSA models take every create_cache format (checked
+    there)."""
+    if families.family_of_config(config).kv_cache_dtypes_other_than_auto or kv_cache_dtype in ("auto", dtype):
+        return
+    raise InputError(
+        f"kv_cache_dtype {kv_cache_dtype!r} is not supported for model_type {config.model_type!r}:"
+        f" its caches are kept in the model dtype ({dtype}); use auto"
+    )
 
 
 def check_parallel(config: DSAModelConfig, parallel, *, num_requests: int | None = None, requests: str = "requests") -> None:
@@ -106,8 +123,10 @@ def check_parallel(config: DSAModelConfig, parallel, *, num_requests: int | None
 # ---- checkpoint decoding's files ------------------------------------------------------------------
 
 
-def load_config(checkpoint: str | os.PathLike) -> DSAModelConfig:
-    """The architecture of a Hugging Face checkpoint directory (its config.json), weights untouched."""
+def load_config(checkpoint: str | os.PathLike):
+    """The architecture of a Hugging Face checkpoint directory (its config.json), weights untouched:
+    the config class of its model_type's family (models.families: DSAModelConfig,
+    DeepseekV4Config or MiniMaxM3Config; each has vocab_size and max_position_embeddings)."""
     path = os.fspath(checkpoint)
     if not os.path.exists(path):
         raise InputError(f"checkpoint directory {path} does not exist")
@@ -115,7 +134,7 @@ def load_config(checkpoint: str | os.PathLike) -> DSAModelConfig:
         raise InputError(f"checkpoint {path} is a file, not a directory (config.json + *.safetensors)")
     config_path = os.path.join(path, "config.json")
     try:
-        return DSAModelConfig.from_hf_config(path)
+        return families.parse_config(path)
     except (OSError, ValueError) as error:  # unreadable, not JSON, unsupported or invalid values
         message = str(error)
         raise InputError(message if config_path in message else f"{config_path}: {message}") from error

@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from configs.model import DSAModelConfig, UnsupportedModelError
+from models import families
 from models.decoder import DSAForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -310,8 +311,10 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.bfloat16, devi
 # ---- orbax ---------------------------------------------------------------------------------------
 
 
-def save_params(directory: str | os.PathLike, model: DSAForCausalLM) -> None:
-    """Converted params + config to an orbax checkpoint at `directory` (must not exist)."""
+def save_params(directory: str | os.PathLike, model) -> None:
+    """Converted params + config to an orbax checkpoint at `directory` (must not exist). Any
+    family's model (models.families: DSA, DeepSeek-V4, MiniMax-M3); restore_params picks the
+    family back from the saved config's model_type."""
     meta = {"config": model.config.to_dict(), "dtype": np.dtype(model.dtype).name}
     params = nnx.to_pure_dict(nnx.state(model))
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
@@ -321,15 +324,16 @@ def save_params(directory: str | os.PathLike, model: DSAForCausalLM) -> None:
         )
 
 
-def restore_params(directory: str | os.PathLike) -> DSAForCausalLM:
-    """The model saved by save_params, in the dtype it was saved in."""
+def restore_params(directory: str | os.PathLike):
+    """The model saved by save_params, in the dtype it was saved in, of its family's class."""
     directory = os.path.abspath(os.fspath(directory))
     if not os.path.isdir(directory):
         raise CheckpointError(f"orbax checkpoint {directory} does not exist")
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as checkpointer:
         meta = checkpointer.restore(directory, ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-        config = DSAModelConfig.from_dict(meta["config"])
-        graphdef, state = nnx.split(abstract_model(config, jnp.dtype(meta["dtype"])))
+        family = families.family_of(meta["config"])
+        config = family.config_class.from_dict(meta["config"])
+        graphdef, state = nnx.split(family.abstract_model(config, jnp.dtype(meta["dtype"])))
         target = nnx.to_pure_dict(state)
         params = checkpointer.restore(directory, ocp.args.Composite(params=ocp.args.StandardRestore(target))).params
     nnx.replace_by_pure_dict(state, params)

@@ -1,4 +1,4 @@
-"""How MiniMax-M3 maps onto HiSparse (the plan only; decoding still keeps every row on the device).
+"""How MiniMax-M3 maps onto HiSparse, and decoding with its sparse layers' K/V offloaded (generate_hisparse).
 
 Which caches go where (docs/models.md, MiniMax-M3):
   - full_attention layers attend every key: their K/V stay on the device (no selection to
@@ -22,6 +22,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from configs.minimax_m3 import MiniMaxM3Config
 from hisparse_jax.config import HiSparseConfig, HiSparseConfigError
@@ -191,3 +192,25 @@ def hisparse_decode_step(model, cache: M3HiSparseCache, tokens: jax.Array, posit
         state.replace(seq_lens=slot_positions + 1),
     )
     return new, model.logits(h), jnp.stack(misses) if misses else jnp.zeros((0, B * N), jnp.int32)
+
+
+def generate_hisparse(model, prompts: jax.Array, num_tokens: int, hisparse: HiSparseConfig, *, page_size: int = 16):
+    """Greedy decoding with the sparse layers' K/V in the HiSparse state: prompts i32[B, P] ->
+    (tokens i32[B, N], step logits f32[B, N, V], misses i32[N - 1, J, B x N_kv]: rows copied
+    host -> device per decode step, sparse layer and (request, KV group) slot). The first token
+    comes from the prefill, as models.minimax_m3.generate."""
+    B, P = prompts.shape
+    cache = create_hisparse_cache(model, B, P + num_tokens, hisparse, page_size=page_size)
+    cache, last = jax.jit(hisparse_prefill)(model, cache, jnp.asarray(prompts, jnp.int32))
+    step = jax.jit(hisparse_decode_step, donate_argnums=1)
+    token = jnp.argmax(last, -1).astype(jnp.int32)
+    tokens, logits, misses = [np.asarray(token)], [np.asarray(last)], []
+    for j in range(1, num_tokens):
+        cache, last, step_misses = step(model, cache, token, jnp.full((B,), P + j - 1, jnp.int32))
+        token = jnp.argmax(last, -1).astype(jnp.int32)
+        tokens.append(np.asarray(token))
+        logits.append(np.asarray(last))
+        misses.append(np.asarray(step_misses))
+    J = len(model.config.sparse_layers)
+    misses = np.stack(misses) if misses else np.zeros((0, J, B * model.config.num_kv_heads), np.int32)
+    return np.stack(tokens, 1), np.stack(logits, 1).astype(np.float32), misses

@@ -48,7 +48,7 @@ from hisparse_jax.sharding import ParallelConfig, ParallelConfigError
 from hisparse_jax.serving.telemetry import format_summary, steps_to_json, write_json
 from models.decoder import DSAForCausalLM
 from models import inputs
-from models.decoding import GenerateOutput, ModelRunner, decode_checkpoint
+from models.decoding import ModelRunner, decode_checkpoint
 from models.loading import CheckpointError, load_hf_checkpoint
 
 DTYPES = {name: getattr(jnp, name) for name in DTYPE_NAMES}
@@ -376,7 +376,7 @@ def format_report(results: dict) -> str:
     return "\n".join(lines)
 
 
-def run_checkpoint_decode(job: CheckpointDecode) -> GenerateOutput:
+def run_checkpoint_decode(job: CheckpointDecode):
     """Greedy decoding of a checkpoint over job.prompts -> job.output (models.decoding.decode_checkpoint);
     job comes from validation.check_checkpoint_decode, every input already checked. What only
     loading can find (missing or misshapen tensors, an unwritable output) is a UsageError too."""

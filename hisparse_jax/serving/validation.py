@@ -26,7 +26,7 @@ import numpy as np
 from configs.model import DSAModelConfig
 from hisparse_jax.config import HiSparseConfig, HiSparseConfigError
 from hisparse_jax.serving.errors import UsageError
-from models import inputs
+from models import families, inputs
 
 MODELS = {
     "tiny": DSAModelConfig.tiny,
@@ -191,11 +191,17 @@ def _hisparse_values(text: str) -> dict:
     return values
 
 
-def resolve_hisparse_config(text: str, model: DSAModelConfig) -> HiSparseConfig:
-    """`--hisparse_config` JSON with top_k defaulting to the model's index_topk (and
-    device_buffer_size to 2 x top_k, as SGLang); its top_k must be the model's."""
+def resolve_hisparse_config(text: str, model) -> HiSparseConfig:
+    """`--hisparse_config` JSON with top_k defaulting to the model's selection width (and
+    device_buffer_size to 2 x top_k, as SGLang); a top_k other than the model's is refused.
+
+    The selection width is the family's (models.families): index_topk for DSA models and
+    DeepSeek-V4; for MiniMax-M3 it is fixed by the model (index_topk_blocks x index_block_size)
+    and a top_k is not applied to it. device_buffer_size is the family's device buffer: DSA, the
+    hot rows per request and layer; DeepSeek-V4, the C4 entry buffer per request and CSA layer;
+    MiniMax-M3, the working set per request, KV group and sparse layer."""
     values = _hisparse_values(text)
-    values.setdefault("top_k", model.index_topk)
+    values.setdefault("top_k", families.family_of_config(model).selection_width(model))
     try:
         hisparse = HiSparseConfig.from_dict(values)
     except HiSparseConfigError as error:
@@ -205,10 +211,17 @@ def resolve_hisparse_config(text: str, model: DSAModelConfig) -> HiSparseConfig:
     return hisparse
 
 
-def checkpoint_config(checkpoint: str) -> DSAModelConfig:
-    """The architecture of --checkpoint (its config.json), no weights."""
+def checkpoint_config(checkpoint: str, *, decoding: bool = False):
+    """The architecture of --checkpoint (its config.json), no weights. Serving (decoding False)
+    takes DSA checkpoints only: DeepSeek-V4 and MiniMax-M3 decode through checkpoint decoding."""
     with flag_errors("--checkpoint"):
-        return inputs.load_config(checkpoint)
+        config = inputs.load_config(checkpoint)
+    if not decoding and not isinstance(config, DSAModelConfig):
+        raise UsageError(
+            f"--checkpoint: model_type {config.model_type!r} is served only by checkpoint decoding"
+            " (--prompts=FILE.npz --output=FILE.npz); serving runs DSA models (deepseek_v32, glm_moe_dsa)"
+        )
+    return config
 
 
 # ---- checkpoint decoding --------------------------------------------------------------------------
@@ -224,7 +237,7 @@ class CheckpointDecode:
     max_new_tokens: int
     dtype: str
     hisparse: HiSparseConfig | None
-    config: DSAModelConfig
+    config: Any  # the family's config class (models.families)
     prompts_shape: tuple[int, int]
     kv_cache_dtype: str = "auto"
 
@@ -251,7 +264,9 @@ def check_checkpoint_decode(
         check_flag(name, value)
     with flag_errors("--output"):
         inputs.check_output_path(output)
-    config = checkpoint_config(checkpoint)
+    config = checkpoint_config(checkpoint, decoding=True)
+    with flag_errors("--kv_cache_dtype"):
+        inputs.check_kv_cache_dtype(kv_cache_dtype, config, dtype)
     with flag_errors("--prompts"):
         ids = inputs.check_prompts(inputs.read_prompts(prompts), config, name=f"{prompts} input_ids")
     with flag_errors("--max_new_tokens"):
