@@ -25,17 +25,7 @@ from flax import nnx
 
 from configs.deepseek_v4 import DeepseekV4Config
 from models.deepseek_v4 import DeepseekV4ForCausalLM
-from models.loading import (
-    _FP8,
-    _SCALE_SUFFIX,
-    Checkpoint,
-    CheckpointError,
-    _block_size,
-    _names,
-    _read_raw_config,
-    _set_expert,
-    _tensor,
-)
+from models.loading import _FP8, _SCALE_SUFFIX, Checkpoint, CheckpointError, _names, load_model_from_checkpoint
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.ffn\.experts)\.(w1|w2|w3)$")
 _MTP = re.compile(r"^(model\.)?mtp\.")
@@ -117,30 +107,7 @@ def load_deepseek_v4(directory: str | os.PathLike, *, dtype=jnp.bfloat16, device
 
     Routers, attention sinks, compressor position biases, mHC parameters and the norms stay
     float32 whatever `dtype`, as transformers keeps them."""
-    directory = os.fspath(directory)
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"checkpoint directory {directory} does not exist")
-    raw = _read_raw_config(directory)
-    config = DeepseekV4Config.from_hf_config(raw)
-    block = _block_size(raw)
-    checkpoint = Checkpoint(directory)
-    graphdef, abstract_state = nnx.split(abstract_model(config, dtype))
-    pure = nnx.to_pure_dict(abstract_state)
-    sources = _sources(pure, config)
-    _check(checkpoint, sources, config, block)
-
-    device = device or jax.local_devices()[0]
-    for source in sources:
-        node = pure
-        for key in source.path[:-1]:
-            node = node[key]
-        target = node[source.path[-1]]
-        if source.transpose:
-            value = jnp.zeros(target.shape, target.dtype, device=device)
-            for e, name in enumerate(source.hf_names):
-                value = _set_expert(value, e, _tensor(checkpoint, name, target.dtype, device).T)
-        else:
-            value = _tensor(checkpoint, source.hf_names[0], target.dtype, device)
-        node[source.path[-1]] = value
-    nnx.replace_by_pure_dict(abstract_state, pure)
-    return nnx.merge(graphdef, abstract_state)
+    return load_model_from_checkpoint(
+        directory, config_class=DeepseekV4Config, abstract_model=abstract_model, sources=_sources, check=_check,
+        dtype=dtype, device=device,
+    )  # fmt: skip

@@ -278,20 +278,31 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.bfloat16, devi
 
     The router and the indexer's weights_proj stay float32 whatever `dtype`, as in transformers.
     """
+    return load_model_from_checkpoint(
+        directory, config_class=DSAModelConfig, abstract_model=abstract_model, sources=_sources, check=_check,
+        dtype=dtype, device=device,
+    )  # fmt: skip
+
+
+def load_model_from_checkpoint(directory, *, config_class, abstract_model, sources, check, dtype, device=None):
+    """The loading loop every family shares: config.json -> `config_class`, the model's abstract
+    structure, the family's plan of which checkpoint tensors fill which parameter
+    (`sources(pure_params, config)`), its checks (`check(checkpoint, sources, config, block)`),
+    then each parameter read straight onto `device` in its target dtype."""
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
     raw = _read_raw_config(directory)
-    config = DSAModelConfig.from_hf_config(raw)
+    config = config_class.from_hf_config(raw)
     block = _block_size(raw)
     checkpoint = Checkpoint(directory)
     graphdef, abstract_state = nnx.split(abstract_model(config, dtype))
     pure = nnx.to_pure_dict(abstract_state)
-    sources = _sources(pure, config)
-    _check(checkpoint, sources, config, block)
+    plan = sources(pure, config)
+    check(checkpoint, plan, config, block)
 
     device = device or jax.local_devices()[0]
-    for source in sources:
+    for source in plan:
         node = pure
         for key in source.path[:-1]:
             node = node[key]
