@@ -14,7 +14,6 @@ missing, unexpected, wrong shape, FP8 without scales, a hash table (`tid2eid`) o
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 
@@ -25,33 +24,23 @@ from flax import nnx
 
 from configs.deepseek_v4 import DeepseekV4Config
 from models.deepseek_v4 import DeepseekV4ForCausalLM
-from models.loading import _FP8, _SCALE_SUFFIX, Checkpoint, CheckpointError, _names, load_model_from_checkpoint
+from models.loading import (
+    _FP8,
+    _SCALE_SUFFIX,
+    Checkpoint,
+    CheckpointError,
+    _names,
+    _ParamSource,
+    load_model_from_checkpoint,
+    param_sources,
+)
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.ffn\.experts)\.(w1|w2|w3)$")
 _MTP = re.compile(r"^(model\.)?mtp\.")
 
 
-@dataclasses.dataclass(frozen=True)
-class _ParamSource:
-    path: tuple  # the parameter's path in the model state
-    hf_names: tuple[str, ...]  # one tensor, or one per routed expert (stacked)
-    hf_shape: tuple[int, ...]  # shape of each checkpoint tensor
-    transpose: bool  # expert tensors are [out, in] in the checkpoint, [in, out] here
-
-
 def _sources(pure: dict, config: DeepseekV4Config) -> list[_ParamSource]:
-    sources = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(pure)[0]:
-        keys = tuple(p.key for p in path)
-        dotted = ".".join(str(k) for k in keys)
-        name = dotted if keys[0] == "head" else f"model.{dotted}"
-        if expert := _EXPERT.match(name):
-            prefix, proj = expert.groups()
-            names = tuple(f"{prefix}.{e}.{proj}.weight" for e in range(config.n_routed_experts))
-            sources.append(_ParamSource(keys, names, tuple(reversed(leaf.shape[1:])), True))
-        else:
-            sources.append(_ParamSource(keys, (name,), tuple(leaf.shape), False))
-    return sources
+    return param_sources(pure, config.n_routed_experts, head="head", expert_pattern=_EXPERT)
 
 
 def _ignorable(name: str, config: DeepseekV4Config) -> bool:

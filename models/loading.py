@@ -169,19 +169,26 @@ class _ParamSource:
     transpose: bool  # expert tensors are [out, in] in the checkpoint, [in, out] here
 
 
-def _sources(abstract_state: dict, config: DSAModelConfig) -> list[_ParamSource]:
+def param_sources(abstract_state: dict, num_experts: int, *, head: str, expert_pattern: re.Pattern) -> list[_ParamSource]:
+    """Which checkpoint tensors fill each parameter: `model.` + its path (the lm head, named
+    `head`, as is); parameters matching `expert_pattern` (groups: prefix, projection) stack one
+    [out, in] tensor per routed expert."""
     sources = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
         keys = tuple(p.key for p in path)
         dotted = ".".join(str(k) for k in keys)
-        name = dotted if keys[0] == "lm_head" else f"model.{dotted}"
-        if expert := _EXPERT.match(name):
+        name = dotted if keys[0] == head else f"model.{dotted}"
+        if expert := expert_pattern.match(name):
             prefix, proj = expert.groups()
-            names = tuple(f"{prefix}.{e}.{proj}.weight" for e in range(config.n_routed_experts))
+            names = tuple(f"{prefix}.{e}.{proj}.weight" for e in range(num_experts))
             sources.append(_ParamSource(keys, names, tuple(reversed(leaf.shape[1:])), True))
         else:
             sources.append(_ParamSource(keys, (name,), tuple(leaf.shape), False))
     return sources
+
+
+def _sources(abstract_state: dict, config: DSAModelConfig) -> list[_ParamSource]:
+    return param_sources(abstract_state, config.n_routed_experts, head="lm_head", expert_pattern=_EXPERT)
 
 
 def _ignorable(name: str, config: DSAModelConfig) -> bool:
