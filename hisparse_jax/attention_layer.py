@@ -58,9 +58,12 @@ def _check_step_inputs(state: KVState, layer, query, new_row, positions, selecti
     check_rank("new_row", new_row, 2, "[R, W]")
     check_rank("positions", positions, 1, "[R]")
     check_rank(selection_name, selection, 2, "[R, K]")
-    R, layout = state.num_requests, state.layout
-    for name, array in (("query", query), ("new_row", new_row), ("positions", positions), (selection_name, selection)):
-        check_equal(f"{name} batch", array.shape[0], "the state's request slots (R)", R)
+    # A batch of b <= R requests runs in slots 0 .. b - 1 (the engine's batch buckets).
+    b, layout = positions.shape[0], state.layout
+    if b > state.num_requests:
+        raise ValueError(f"positions batch ({b}) must not exceed the state's request slots (R = {state.num_requests})")
+    for name, array in (("query", query), ("new_row", new_row), (selection_name, selection)):
+        check_equal(f"{name} batch", array.shape[0], "positions batch (b)", b)
     # The query meets the row's values (latent + rope), whatever width the stored row has.
     check_equal("query width", query.shape[2], "the state's latent + rope width", layout.logical_width)
     layout.check_rows("new_row", new_row)
@@ -80,6 +83,8 @@ def attention_layer(
     record_plan: bool = False,
 ):
     """One DSA layer's decode attention -> (state, f32[R, H, D], LayerStepInfo); D = latent_dim.
+
+    R here may be any batch b <= the state's slots: the step then covers slots 0 .. b - 1.
 
     state: HiSparseState or FullKVState; layer: int or i32[]; query: [R, H, latent + rope], any
     float dtype; new_row: the stored row row[R, W] (state.layout.pack(latent, rope)) or its values

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from hisparse_jax.state import KVState
-from pallas_kernels.common import check_equal, check_layer_index, check_rank
+from pallas_kernels.common import check_layer_index, check_rank
 
 
 def begin_request(state: KVState, request, prompt_len, host_pages=None) -> KVState:
@@ -47,10 +47,20 @@ def store_prefill_rows(state: KVState, layer, request, start, rows, prompt_len, 
 
 
 def advance(state: KVState, active) -> KVState:
-    """After all layers of a decode step: each active request (bool[R]) stored one more token."""
-    check_rank("active", active, 1, "[R]")
-    check_equal("active length", active.shape[0], "the state's request slots", state.num_requests)
-    return state.replace(seq_lens=state.seq_lens + active.astype(jnp.int32))
+    """After all layers of a decode step: each active request (bool[b], slots 0 .. b - 1 of a
+    batch of b <= R) stored one more token."""
+    check_rank("active", active, 1, "[b]")
+    if active.shape[0] > state.num_requests:
+        raise ValueError(f"active length ({active.shape[0]}) must not exceed the state's request slots ({state.num_requests})")
+    grown = jnp.zeros_like(state.seq_lens).at[: active.shape[0]].set(active.astype(jnp.int32))  # i32[R]
+    return state.replace(seq_lens=state.seq_lens + grown)
+
+
+def move_request(state: KVState, source, target) -> KVState:
+    """Moves the request in slot `source` to the free slot `target` (ints or i32[]), leaving
+    `source` free: the engine keeps its running requests in the first slots this way, so a
+    decode step over a batch of b slots covers them all. Its host pages stay where they are."""
+    return state.move_request(source, target)
 
 
 def end_request(state: KVState, request) -> KVState:

@@ -17,6 +17,10 @@ Letters used in shapes throughout the package:
 i32 is int32, f32 float32. Each state carries its KVRowLayout (a static field, `layout`): how its
 rows are packed, which attention needs to read them.
 
+A decode step may run a batch of b <= R requests (the engine's batch buckets): its per-request
+arrays (new_row, positions, topk: b rows) stand for slots 0 .. b - 1, which the engine keeps
+filled by moving requests down when one retires (move_request); slots b .. R - 1 are untouched.
+
 Invariants of a HiSparseState the kernels rely on (tests check them):
   * buffer_tokens[l, r] holds each position at most once; -1 marks an empty slot.
   * lru_slots[l, r] is a permutation of range(B), least recently used first.
@@ -148,8 +152,15 @@ class KVState(Protocol):
         """Frees slot `request` (i32[])."""
         ...
 
+    def move_request(self, source, target) -> "KVState":
+        """Moves the request in slot `source` (i32[]) to the free slot `target` (i32[]): every
+        per-request array's row; the host pool is addressed by page and stays. `source` is left
+        free."""
+        ...
+
     def write_newest(self, layer, new_row, positions) -> "KVState":
-        """Puts new_row row[R, W] where attention finds it; positions i32[R], -1 inactive."""
+        """Puts new_row row[b, W] where attention finds it; positions i32[b], -1 inactive; b <= R
+        (slots 0 .. b - 1, as in every step method below)."""
         ...
 
     def swap_in(self, layer, topk, lengths, *, implementation=None) -> tuple["KVState", SwapInPlan]:
@@ -310,14 +321,26 @@ class HiSparseState:
             seq_lens=self.seq_lens.at[request].set(0),
         )
 
+    def move_request(self, source, target) -> "HiSparseState":
+        """Moves slot `source`'s buffer, LRU and page table to `target` and frees `source`
+        (its scratch row is SCRATCH_EMPTY between steps, as the target's is)."""
+        moved = self.replace(
+            device_buffer=self.device_buffer.at[:, target].set(self.device_buffer[:, source]),
+            buffer_tokens=self.buffer_tokens.at[:, target].set(self.buffer_tokens[:, source]),
+            lru_slots=self.lru_slots.at[:, target].set(self.lru_slots[:, source]),
+            host_page_table=self.host_page_table.at[target].set(self.host_page_table[source]),
+            seq_lens=self.seq_lens.at[target].set(self.seq_lens[source]),
+        )
+        return moved.end_request(source)
+
     # ---- KVState: one layer's decode step ----------------------------------------------------
 
     def write_newest(self, layer, new_row, positions) -> "HiSparseState":
-        """new_row row[R, W] goes to slot = position while n <= B (and buffer_tokens records it),
-        else to the reserved slot B; positions i32[R], -1 inactive (nothing written)."""
-        R, B = self.num_requests, self.buffer_size
+        """new_row row[b, W] goes to slot = position while n <= B (and buffer_tokens records it),
+        else to the reserved slot B; positions i32[b], -1 inactive (nothing written)."""
+        B = self.buffer_size
         new_row = self.layout.to_stored(new_row)
-        requests = jnp.arange(R)
+        requests = jnp.arange(positions.shape[0])
         active = positions >= 0
         slot = jnp.where(positions < B, positions, self.reserved_slot)  # i32[R]
         device_buffer = self.device_buffer.at[layer, requests, jnp.where(active, slot, B + 1)].set(new_row, mode="drop")
@@ -326,27 +349,52 @@ class HiSparseState:
         return self.replace(device_buffer=device_buffer, buffer_tokens=buffer_tokens)
 
     def swap_in(self, layer, topk, lengths, *, implementation=None) -> tuple["HiSparseState", SwapInPlan]:
-        """Plans the swap-in of topk i32[R, K] (updating buffer_tokens, lru_slots) and copies the
-        misses host -> device. lengths i32[R]: tokens stored including the newest, 0 inactive."""
+        """Plans the swap-in of topk i32[b, K] (updating buffer_tokens, lru_slots) and copies the
+        misses host -> device. lengths i32[b]: tokens stored including the newest, 0 inactive."""
+        b = topk.shape[0]
+        # A batch smaller than R plans on this layer's first b slots, cut out and put back (a few
+        # KB per request; the kernels take whole per-request arrays).
+        part = self if b == self.num_requests else self._layer_batch(layer, b)
         plan, buffer_tokens, lru_slots, scratch = swap_in_plan(
-            self.buffer_tokens,
-            self.lru_slots,
-            self.swap_in_scratch,
-            layer,
+            part.buffer_tokens,
+            part.lru_slots,
+            part.swap_in_scratch,
+            layer if part is self else 0,
             topk,
             lengths,
-            self.host_page_table,
+            part.host_page_table,
             page_size=self.page_size,
             implementation=implementation,
         )
         state = self.replay_swap_in(layer, plan, implementation=implementation)
+        if part is not self:
+            return state._put_layer_batch(layer, buffer_tokens, lru_slots, scratch), plan
         return state.replace(buffer_tokens=buffer_tokens, lru_slots=lru_slots, swap_in_scratch=scratch), plan
+
+    def _layer_batch(self, layer, b) -> "HiSparseState":
+        """The plan's inputs for slots 0 .. b - 1 of `layer`, as a one-layer, b-slot state."""
+        layer_rows = lambda x: jax.lax.dynamic_slice_in_dim(x, layer, 1, axis=0)[:, :b]  # noqa: E731
+        return self.replace(
+            buffer_tokens=layer_rows(self.buffer_tokens),  # i32[1, b, B]
+            lru_slots=layer_rows(self.lru_slots),  # i32[1, b, B]
+            swap_in_scratch=self.swap_in_scratch[:b],  # i32[b, C]
+            host_page_table=self.host_page_table[:b],  # i32[b, P]
+        )
+
+    def _put_layer_batch(self, layer, buffer_tokens, lru_slots, scratch) -> "HiSparseState":
+        """Writes a _layer_batch's updated arrays back into slots 0 .. b - 1 of `layer`."""
+        put = lambda full, part: jax.lax.dynamic_update_slice(full, part, (layer, 0, 0))  # noqa: E731
+        return self.replace(
+            buffer_tokens=put(self.buffer_tokens, buffer_tokens),
+            lru_slots=put(self.lru_slots, lru_slots),
+            swap_in_scratch=jax.lax.dynamic_update_slice(self.swap_in_scratch, scratch, (0, 0)),
+        )
 
     def replay_swap_in(self, layer, plan: SwapInPlan, *, implementation=None) -> "HiSparseState":
         """Copies the plan's missed rows from the host pool into `layer`'s device buffer."""
         device_buffer = copy_host_rows_to_buffer(
             self.host_pool,
-            self.device_buffer,
+            self.device_buffer,  # a plan of b <= R requests copies into slots 0 .. b - 1, in place
             layer,
             plan.miss_host_slots,
             plan.miss_device_slots,
@@ -363,10 +411,10 @@ class HiSparseState:
         return self.replace(device_buffer=device_buffer, host_pool=host_pool)
 
     def backup_newest(self, layer, new_row, positions, *, implementation=None) -> "HiSparseState":
-        """Writes new_row row[R, W] to its host slot (eager backup); positions i32[R], -1 skipped."""
+        """Writes new_row row[b, W] to its host slot (eager backup); positions i32[b], -1 skipped."""
         host_slot = jax.vmap(host_slots_of, in_axes=(0, 0, None))(
-            self.host_page_table, jnp.maximum(positions, 0), self.page_size
-        )  # i32[R]
+            self.host_page_table[: positions.shape[0]], jnp.maximum(positions, 0), self.page_size
+        )  # i32[b]
         host_slot = jnp.where(positions >= 0, host_slot, -1)
         pool = write_rows_to_host(self.host_pool, layer, self.layout.to_stored(new_row), host_slot, implementation=implementation)
         return self.replace(host_pool=pool)
@@ -446,11 +494,19 @@ class FullKVState:
         """Clears the slot's seq_len (its rows are overwritten by the next request)."""
         return self.replace(seq_lens=self.seq_lens.at[request].set(0))
 
+    def move_request(self, source, target) -> "FullKVState":
+        """Moves slot `source`'s rows and seq_len to `target` and frees `source`."""
+        moved = self.replace(
+            kv=self.kv.at[:, target].set(self.kv[:, source]),
+            seq_lens=self.seq_lens.at[target].set(self.seq_lens[source]),
+        )
+        return moved.end_request(source)
+
     # ---- KVState: one layer's decode step ----------------------------------------------------
 
     def write_newest(self, layer, new_row, positions) -> "FullKVState":
-        """new_row row[R, W] goes to kv[layer, r, positions[r]]; -1 (inactive) writes nothing."""
-        kv = self.kv.at[layer, jnp.arange(self.num_requests), jnp.where(positions >= 0, positions, self.max_context)].set(
+        """new_row row[b, W] goes to kv[layer, r, positions[r]]; -1 (inactive) writes nothing."""
+        kv = self.kv.at[layer, jnp.arange(positions.shape[0]), jnp.where(positions >= 0, positions, self.max_context)].set(
             self.layout.to_stored(new_row), mode="drop"
         )
         return self.replace(kv=kv)

@@ -39,6 +39,7 @@ from hisparse_jax.attention_layer import attention_layer, shared_attention_layer
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.host_pages import HostPageAllocator
 from hisparse_jax.kv_cache_ops import advance, begin_request, store_prefill_rows
+from hisparse_jax.kv_cache_ops import move_request as kv_move_request
 from hisparse_jax.row_layout import KVRowLayout
 from hisparse_jax.state import FullKVState, HiSparseState, state_shardings
 from models import families, inputs, rope
@@ -126,6 +127,13 @@ def create_cache(
     return DecodeCache(kv, index_keys, index_key_scales)
 
 
+def move_request(cache: DecodeCache, source, target) -> DecodeCache:
+    """Moves the request in slot `source` to the free slot `target` (i32[]): its KV state (see
+    hisparse_jax.kv_cache_ops.move_request) and its indexer keys; `source` is left free."""
+    move = lambda x: x.at[:, target].set(x[:, source])  # noqa: E731  (keys [J, R, C, I], scales f32[J, R, C or 0])
+    return DecodeCache(kv_move_request(cache.kv, source, target), move(cache.index_keys), move(cache.index_key_scales))
+
+
 def cache_shardings(cache: DecodeCache) -> DecodeCache:
     """Output shardings of a jit returning the cache: every array stays where it is (the host
     pool in pinned_host memory, mesh-split arrays split the same way)."""
@@ -155,16 +163,16 @@ def _decode_indexer(layer: DecoderLayer, x, q_resid, cos, sin, index_keys, key_s
     topk i32[R, K], when given, is returned instead of the indexer's own choice (the scoring is
     skipped; the keys are still written)."""
     indexer, config = layer.self_attn.indexer, layer.config
-    R, C = index_keys.shape[1], index_keys.shape[2]
-    keys = indexer.keys(x, cos, sin)  # [R, I]
+    b, C = positions.shape[0], index_keys.shape[2]  # a batch of b <= R slots: slots 0 .. b - 1
+    keys = indexer.keys(x, cos, sin)  # [b, I]
     target = jnp.where(positions >= 0, positions, C)  # an inactive slot writes nothing
-    index_keys, key_scales = write_index_keys(index_keys, key_scales, j, jnp.arange(R), target, keys)
+    index_keys, key_scales = write_index_keys(index_keys, key_scales, j, jnp.arange(b), target, keys)
     if topk is not None:
         return index_keys, key_scales, topk
-    q, w = indexer.queries(x, q_resid, cos, sin)  # [R, G, I], f32[R, G]
-    scales = key_scales[j] if is_fp8(index_keys.dtype) else None  # f32[R, C]
-    scores = jax.vmap(index_scores)(q[:, None], w[:, None], index_keys[j], scales)[:, 0]  # f32[R, C]
-    allowed = jnp.arange(C)[None, :] <= positions[:, None]  # bool[R, C]; nothing for inactive slots
+    q, w = indexer.queries(x, q_resid, cos, sin)  # [b, G, I], f32[b, G]
+    scales = key_scales[j, :b] if is_fp8(index_keys.dtype) else None  # f32[b, C]
+    scores = jax.vmap(index_scores)(q[:, None], w[:, None], index_keys[j, :b], scales)[:, 0]  # f32[b, C]
+    allowed = jnp.arange(C)[None, :] <= positions[:, None]  # bool[b, C]; nothing for inactive slots
     return index_keys, key_scales, select_topk(scores, allowed, config.index_topk)
 
 
@@ -172,15 +180,17 @@ def decode_step(
     graphdef: nnx.GraphDef,
     params: nnx.State,
     cache: DecodeCache,
-    tokens: jax.Array,  # i32[R]: this step's input token per request slot
-    positions: jax.Array,  # i32[R]: its position (= tokens stored so far), -1 for an inactive slot
-    topk: jax.Array | None = None,  # i32[J, R, K]: per full-indexer layer, overrides the indexer's top-k
+    tokens: jax.Array,  # i32[b]: this step's input token per request slot 0 .. b - 1 (b <= R)
+    positions: jax.Array,  # i32[b]: its position (= tokens stored so far), -1 for an inactive slot
+    topk: jax.Array | None = None,  # i32[J, b, K]: per full-indexer layer, overrides the indexer's top-k
     *,
     implementation: str | None = None,
     mesh: Mesh | None = None,
 ) -> tuple[DecodeCache, jax.Array, StepTelemetry]:
-    """One token for every request slot -> (cache, logits f32[R, V], telemetry). Traceable; see
-    ModelRunner for the jitted, cache-donating version.
+    """One token for request slots 0 .. b - 1 -> (cache, logits f32[b, V], telemetry). Traceable;
+    see ModelRunner for the jitted, cache-donating version. b (the batch bucket) may be less than
+    the cache's R slots: the engine keeps its running requests in the first slots
+    (move_request), so a step costs what its bucket costs, not what R does.
 
     topk None: each full layer's indexer selects. Given, it is what the layers attend to instead
     (the engine's labelled synthetic selection, hisparse_jax.serving.synthetic_selection); entries must
@@ -307,6 +317,7 @@ class ModelRunner:
                 store_keys=jax.jit(
                     _store_index_keys, donate_argnums=0, out_shardings=(cache.index_keys.sharding, cache.index_key_scales.sharding)
                 ),
+                move=jax.jit(move_request, donate_argnums=0, out_shardings=cache_shardings(cache)),
                 decode=jax.jit(
                     functools.partial(decode_step, self.graphdef, implementation=self.implementation, mesh=self.mesh),
                     donate_argnums=1,
@@ -396,9 +407,14 @@ class ModelRunner:
         kv = fns["begin"](cache.kv, jnp.int32(request), jnp.int32(prompt_len), pages)
         return kv, (cache.index_keys, cache.index_key_scales), fns
 
+    def move_request(self, cache: DecodeCache, source: int, target: int) -> DecodeCache:
+        """move_request jitted with the cache donated (one compile for every pair of slots)."""
+        return self._jitted(cache)["move"](cache, jnp.int32(source), jnp.int32(target))
+
     def decode_step(self, cache: DecodeCache, tokens, positions, topk=None) -> tuple[DecodeCache, jax.Array, StepTelemetry]:
-        """decode_step jitted with the cache donated: tokens i32[R], positions i32[R] (-1 inactive),
-        topk None or i32[J, R, K] (overrides the indexers' selection, see decode_step)."""
+        """decode_step jitted with the cache donated: tokens i32[b], positions i32[b] (-1 inactive)
+        for slots 0 .. b - 1, b <= R; topk None or i32[J, b, K] (overrides the indexers'
+        selection, see decode_step). Each distinct b compiles once."""
         if topk is not None and self.mesh is not None:
             topk = jax.device_put(topk, NamedSharding(self.mesh, P(None, dp_sharding.REQUEST_AXIS)))
         return self._jitted(cache)["decode"](

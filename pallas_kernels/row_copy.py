@@ -37,7 +37,11 @@ def _check_copy_inputs(pool, device_buffer, layer, miss_host, miss_device, num_m
     check_equal("device_buffer row width", device_buffer.shape[3], "pool row width (W)", pool.shape[2])
     check_equal("device_buffer layers", device_buffer.shape[0], "pool layers (L)", pool.shape[0])
     check_equal("miss_device shape", miss_device.shape, "miss_host shape", miss_host.shape)
-    check_equal("miss_host batch", miss_host.shape[0], "device_buffer request slots (R)", device_buffer.shape[1])
+    # A batch of b <= R requests copies into slots 0 .. b - 1 (the engine's batch buckets).
+    if miss_host.shape[0] > device_buffer.shape[1]:
+        raise ValueError(
+            f"miss_host batch ({miss_host.shape[0]}) must not exceed the device_buffer request slots (R = {device_buffer.shape[1]})"
+        )
     check_rank("num_misses", num_misses, 1, "[R]")
     check_equal("num_misses batch", num_misses.shape[0], "miss_host batch (R)", miss_host.shape[0])
     check_layer_index(layer, pool.shape[0])

@@ -51,7 +51,9 @@ def _check_inputs(query, kv, layer, slots, latent_dim, layout=None) -> None:
     check_rank("kv", kv, 4, "[L, R, S, W]")
     check_rank("slots", slots, 2, "[R, K]")
     R, W = query.shape[0], kv.shape[3]
-    check_equal("kv request slots", kv.shape[1], "query batch (R)", R)
+    # A batch of R <= the cache's slots attends over slots 0 .. R - 1 (the engine's batch buckets).
+    if kv.shape[1] < R:
+        raise ValueError(f"query batch (R = {R}) must not exceed the kv request slots ({kv.shape[1]})")
     check_equal("slots batch", slots.shape[0], "query batch (R)", R)
     if layout is None:
         if not jnp.issubdtype(kv.dtype, jnp.floating):

@@ -299,10 +299,10 @@ def layer_args(**changes):
 STEP_SHAPE_ERRORS = [
     (dict(query=jnp.zeros((R, H, W + 1))), r"query width \(49\) must equal the state's latent \+ rope width \(48\)"),
     (dict(new_row=jnp.zeros((R, W - 1))), r"new_row width \(47\) must equal the state's row width \(48\)"),
-    (dict(query=jnp.zeros((R + 1, H, W))), r"query batch \(4\) must equal the state's request slots \(R\) \(3\)"),
-    (dict(new_row=jnp.zeros((R - 1, W))), r"new_row batch \(2\) must equal the state's request slots \(R\) \(3\)"),
-    (dict(positions=jnp.zeros((R + 2,), jnp.int32)), r"positions batch \(5\) must equal the state's request slots"),
-    (dict(topk=jnp.zeros((1, K), jnp.int32)), r"topk batch \(1\) must equal the state's request slots \(R\) \(3\)"),
+    (dict(query=jnp.zeros((R + 1, H, W))), r"query batch \(4\) must equal positions batch \(b\) \(3\)"),
+    (dict(new_row=jnp.zeros((R - 1, W))), r"new_row batch \(2\) must equal positions batch \(b\) \(3\)"),
+    (dict(positions=jnp.zeros((R + 2,), jnp.int32)), r"positions batch \(5\) must not exceed the state's request slots \(R = 3\)"),
+    (dict(topk=jnp.zeros((1, K), jnp.int32)), r"topk batch \(1\) must equal positions batch \(b\) \(3\)"),
     (dict(topk=jnp.zeros((K,), jnp.int32)), r"topk must be \[R, K\] \(2 dimensions\), got shape \(8,\)"),
     (dict(query=jnp.zeros((R, W))), r"query must be \[R, H, W\]"),
     (dict(layer=L), r"layer \(2\) must be in \[0, num_layers \(2\)\)"),
@@ -344,7 +344,7 @@ def test_shared_attention_layer_checks_static_shapes(states, kind, changes, mess
 def test_shared_attention_layer_checks_the_anchor(states):
     args = layer_args()
     del args["topk"]
-    with pytest.raises(ValueError, match=r"anchor plan slots batch \(2\) must equal the state's request slots \(R\) \(3\)"):
+    with pytest.raises(ValueError, match=r"anchor plan slots batch \(2\) must equal positions batch \(b\) \(3\)"):
         shared_attention_layer(states["hisparse"], **args, anchor=anchor_info(R - 1), latent_dim=LATENT, sm_scale=SCALE)
     with pytest.raises(ValueError, match="needs the anchor's plan"):
         shared_attention_layer(states["hisparse"], **args, anchor=LayerStepInfo(None, None, None), latent_dim=LATENT, sm_scale=SCALE)
@@ -357,8 +357,8 @@ def test_lifecycle_checks_static_shapes(states, kind):
         kv_cache_ops.store_prefill_rows(state, 0, 0, 0, jnp.zeros((5, W - 1)), 5)
     with pytest.raises(ValueError, match=r"layer \(2\) must be in \[0, num_layers \(2\)\)"):
         kv_cache_ops.store_prefill_rows(state, L, 0, 0, jnp.zeros((5, W)), 5)
-    with pytest.raises(ValueError, match=r"active length \(2\) must equal the state's request slots \(3\)"):
-        kv_cache_ops.advance(state, jnp.ones((R - 1,), bool))
+    with pytest.raises(ValueError, match=r"active length \(4\) must not exceed the state's request slots \(3\)"):
+        kv_cache_ops.advance(state, jnp.ones((R + 1,), bool))
 
 
 def test_begin_request_checks_host_pages(states):
@@ -373,7 +373,7 @@ def test_begin_request_checks_host_pages(states):
     "query_shape, kv_shape, slots_shape, layer, latent, message",
     [
         ((R, H, W + 1), (L, R, B, W), (R, K), 0, LATENT, r"query width \(49\) must equal kv row width \(W\) \(48\)"),
-        ((R, H, W), (L, R + 1, B, W), (R, K), 0, LATENT, r"kv request slots \(4\) must equal query batch \(R\) \(3\)"),
+        ((R + 1, H, W), (L, R, B, W), (R + 1, K), 0, LATENT, r"query batch \(R = 4\) must not exceed the kv request slots \(3\)"),
         ((R, H, W), (L, R, B, W), (R - 1, K), 0, LATENT, r"slots batch \(2\) must equal query batch \(R\) \(3\)"),
         ((R, H, W), (L, R, B, W), (R, K), L, LATENT, r"layer \(2\) must be in \[0, num_layers \(2\)\)"),
         ((R, H, W), (L, R, B, W), (R, K), 0, W + 1, r"latent_dim \(49\) must be in \[1, row width \(48\)\]"),
@@ -486,3 +486,41 @@ def test_fp8_attention_checks_the_layout():
         sparse_mla_attention(jnp.zeros((R, H, 17)), kv, 0, slots, latent_dim=LATENT, sm_scale=SCALE, layout=FP8_LAYOUT)
     with pytest.raises(ValueError, match=r"kv row width \(18\) must equal the fp8_e4m3 layout's row width \(W\) \(17\)"):
         sparse_mla_attention(query, jnp.zeros((L, R, B, 18), jnp.uint32), 0, slots, latent_dim=LATENT, sm_scale=SCALE, layout=FP8_LAYOUT)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "pallas"])
+def test_a_batch_smaller_than_the_slots_steps_the_first_slots(implementation):
+    # The engine's batch buckets: a step over b = 2 of R = 3 slots must give slots 0 and 1 what a
+    # step over all 3 gives them (slot 2 inactive), and leave slot 2's state as it was.
+    rng = np.random.default_rng(11)
+    prompt_lens, steps = [40, 9, 30], 6
+    rows = rng.standard_normal((L, R, max(prompt_lens) + steps, LATENT + ROPE)).astype(np.float32)
+    queries = rng.standard_normal((steps, L, R, H, LATENT + ROPE)).astype(np.float32)
+    step_fn = decode_step_fn(implementation)
+    states = {}
+    for b in (2, 3):
+        state, _ = make_states(jnp.float32, "float32")
+        states[b] = prefill(state, rows, prompt_lens, C // PAGE, implementation)
+    before = jax.tree.map(np.asarray, states[2])
+    step = {b: jit_donating_state(step_fn, states[b], extra_outputs=3) for b in (2, 3)}
+    positions = np.array(prompt_lens, np.int32)
+    positions[2] = -1  # the third slot sits out
+    misses = 0
+    for t in range(steps):
+        topk = np.stack([recent_and_random(rng, np.maximum(positions, 0), layer) for layer in range(L)]).astype(np.int32)
+        new_rows = rows[:, np.arange(R), np.maximum(positions, 0)]  # [L, R, W]
+        outs = {}
+        for b in (2, 3):
+            args = (queries[t][:, :b], new_rows[:, :b], positions[:b], topk[:, :b])
+            states[b], outs[b], _, miss = step[b](states[b], *map(jnp.asarray, args))
+        misses += int(np.sum(miss))
+        np.testing.assert_array_equal(outs[2], np.asarray(outs[3])[:, :2], err_msg=f"step {t}")
+        assert np.all(np.isfinite(outs[2]))
+        positions[:2] += 1
+    assert misses > 0, "the test never exercised a miss"
+    after = jax.tree.map(np.asarray, states[2])
+    for name in ("device_buffer", "buffer_tokens", "lru_slots"):
+        np.testing.assert_array_equal(getattr(after, name)[:, 2], getattr(before, name)[:, 2], err_msg=name)
+    np.testing.assert_array_equal(after.seq_lens, [40 + steps, 9 + steps, 30])
+    for name in ("device_buffer", "buffer_tokens", "lru_slots", "seq_lens"):
+        np.testing.assert_array_equal(getattr(after, name), np.asarray(getattr(states[3], name)), err_msg=name)

@@ -14,7 +14,7 @@ from flax import nnx
 
 from configs.model import DSAModelConfig
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.serving.engine import Engine, EngineConfig
+from hisparse_jax.serving.engine import batch_buckets, Engine, EngineConfig
 from hisparse_jax.serving.errors import UsageError
 from hisparse_jax.host_pages import HostPageAllocator
 from hisparse_jax.serving.workload import Request, random_requests
@@ -76,6 +76,11 @@ def test_requests_joining_and_leaving_decode_as_if_alone(runner, workload, alone
         np.testing.assert_array_equal(result.tokens[request.id], alone[request.id], err_msg=f"request {request.id}")
     running = [s.running for s in result.steps]
     assert max(running) == 3 and min(running) < 3 and len(result.steps) >= 20
+    # Batch buckets: each step ran the smallest of (1, 2, 3) holding its requests, which the
+    # engine moved down into the first slots as others retired (the tokens above say correctly).
+    assert engine.buckets == (1, 2, 3)
+    assert [s.batch for s in result.steps] == [next(b for b in (1, 2, 3) if b >= n) for n in running]
+    assert min(s.batch for s in result.steps) < 3
     if hisparse is not None:
         # Every (layer, request) past the buffer had to evict: misses exceed what B slots hold.
         assert result.summary["misses"] > 3 * HISPARSE.device_buffer_size
@@ -102,6 +107,35 @@ def test_pools_running_out_make_requests_wait_then_complete(runner):
             np.testing.assert_array_equal(result.tokens[request.id], expected[request.id])
         assert max(s.running for s in result.steps) == 2  # slots were free, yet requests waited
         assert_everything_free(engine)
+
+
+def test_batch_buckets_are_powers_of_two_then_the_slot_count():
+    assert batch_buckets(1) == (1,)
+    assert batch_buckets(4) == (1, 2, 4)
+    assert batch_buckets(88) == (1, 2, 4, 8, 16, 32, 64, 88)
+
+
+def test_without_batch_buckets_every_step_runs_every_slot(runner, workload, alone):
+    # The switch the buckets can be compared against: no compaction, every step all R slots.
+    engine = Engine(runner, engine_config(HISPARSE, batch_buckets=False))
+    result = engine.run(workload)
+    for request in workload:
+        np.testing.assert_array_equal(result.tokens[request.id], alone[request.id], err_msg=f"request {request.id}")
+    assert engine.buckets == (3,) and {s.batch for s in result.steps} == {3}
+    assert_everything_free(engine)
+
+
+def test_scheduler_moves_a_request_between_slots():
+    scheduler = Scheduler(num_slots=3, context_length=64, footprint=DeviceFootprint(1, 1, 8, 4, None), kv_budget_bytes=10**6)
+    for i in range(3):
+        scheduler.submit(Request(i, np.zeros(4, np.int32), 2))
+    scheduler.admit()
+    scheduler.finish(0)
+    scheduler.move(2, 0)
+    assert scheduler.running_slots() == [0, 1] and scheduler.running_request(0).id == 2
+    with pytest.raises(ValueError, match="cannot move the request in slot 2 to slot 0"):
+        scheduler.move(2, 0)
+    assert [a.slot for a in (scheduler.submit(Request(9, np.zeros(4, np.int32), 2)) or scheduler.admit())] == [2]
 
 
 def test_scheduler_is_fcfs_and_returns_every_pool():

@@ -229,7 +229,7 @@ def run_serving(args: ServingArgs) -> dict:
         results["capacity"][mode] = engine.capacity(context)
         if mode == "hisparse":
             host_pages = engine.cache.kv.num_host_pages
-        engine.warmup(requests)
+        engine.warmup(requests, progress=args.progress)
         for concurrency in concurrencies:
             run = engine.run(requests, max_concurrency=concurrency, progress=args.progress, label=f"{mode} c={concurrency}")
             results["points"].append(_point(run, concurrency))
@@ -244,7 +244,7 @@ def run_serving(args: ServingArgs) -> dict:
         else:
             swept = dataclasses.replace(hisparse, device_buffer_size=size)
             engine = _engine(runner, args, swept, context, budget, num_host_pages)
-            engine.warmup(requests)
+            engine.warmup(requests, progress=args.progress)
             run = engine.run(requests, max_concurrency=max(concurrencies), progress=args.progress, label=f"buffer {size}")
         point = _point(run, max(concurrencies))
         request_steps = max(1, sum(s.running for s in run.steps))

@@ -10,8 +10,15 @@ flight (SGLang bench_serving's semaphore); the scheduler admits what the pools h
 (ModelRunner.prefill), its first token sampled; then ONE decode step runs every slot at once
 (static shapes: R slots, inactive ones at position -1), greedy tokens come back to the host,
 and requests that reached max_new_tokens or EOS retire, giving back slot, host pages and device
-bytes. The decode step is jitted once per engine: requests coming and going change only the
-values of `tokens` / `positions`, never a shape.
+bytes.
+
+Batch buckets (SGLang's CUDA-graph batch sizes): the decode step is compiled for a few batch
+sizes, the powers of two below R and R itself, and each step runs the smallest bucket that holds
+the running requests, so a step costs what its requests cost rather than what R slots do. The
+running requests are kept in the first slots: when one retires, the request in the highest slot
+moves into the hole (ModelRunner.move_request: its device buffer, LRU, page table and indexer
+keys; its host pages stay). warmup() compiles every bucket up front; requests coming and going
+then change only the values of `tokens` / `positions` and which bucket runs, never compile.
 
 The baseline is the same engine with `hisparse=None`: a FullKVState keeps every row on the
 device and admission counts full-context KV against the same budget. Both attend to the same
@@ -74,6 +81,11 @@ def _positive_int(name, value, minimum=1):
         raise UsageError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def batch_buckets(num_slots: int) -> tuple[int, ...]:
+    """The decode batch sizes compiled for `num_slots` slots: 1, 2, 4, ... below it, then itself."""
+    return tuple(1 << i for i in range(num_slots.bit_length()) if 1 << i < num_slots) + (num_slots,)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     max_running_requests: int  # R: request slots, the static decode batch
@@ -86,6 +98,7 @@ class EngineConfig:
     synthetic_context: bool = False  # SYNTHETIC contexts (random KV) instead of prefill
     seed: int = 0  # synthetic selection / fill randomness
     fill_value: float = 0.0  # of KV rows nothing wrote (tests pass NaN so a stray read shows)
+    batch_buckets: bool = True  # decode only the bucket holding the running requests (False: all R slots)
 
     def __post_init__(self):
         _positive_int("max_running_requests", self.max_running_requests)
@@ -154,6 +167,9 @@ class Engine:
         self._count = jax.jit(lambda t: (jnp.sum(t.num_hits), jnp.sum(t.num_misses)))
         self.selector = None
         self.use_selection(config.synthetic_topk_overlap)
+        # Data-parallel groups each own a block of slots, so one prefix of them is not a group's
+        # share: with a mesh every step runs all R slots.
+        self.buckets = batch_buckets(R) if config.batch_buckets and groups == 1 else (R,)
         self._fill = SyntheticFill(self.cache, implementation=runner.implementation, mesh=runner.mesh) if config.synthetic_context else None
         self._fill_key = jax.random.key(config.seed)
 
@@ -207,6 +223,26 @@ class Engine:
             return None
         self.cache, logits = self.runner.prefill(self.cache, slot, request.prompt, host_pages=pages)
         return int(self._argmax(logits))
+
+    def _bucket(self, num_running: int) -> int:
+        """The smallest compiled batch size holding `num_running` requests (slots 0 .. n - 1)."""
+        return next(b for b in self.buckets if b >= num_running)
+
+    def _compact(self, tokens: np.ndarray, positions: np.ndarray, slot_ids: np.ndarray) -> None:
+        """Moves running requests from the highest slots into the holes below them, so they
+        occupy slots 0 .. n - 1; the loop's per-slot arrays (i32[R] each) move with them."""
+        running = self.scheduler.running_slots()
+        n = len(running)
+        holes = sorted(set(range(n)) - set(running))
+        movers = [slot for slot in running if slot >= n]
+        for source, target in zip(movers, holes):
+            self.cache = self.runner.move_request(self.cache, source, target)
+            self.scheduler.move(source, target)
+            if self.selector is not None:
+                self.selector.move(source, target)
+            for array in (tokens, positions, slot_ids):
+                array[target] = array[source]
+            positions[source] = -1  # the source slot is inactive now
 
     def _retire(self, slot: int) -> None:
         self.cache = dataclasses.replace(self.cache, kv=self._end(self.cache.kv, jnp.int32(slot)))
@@ -312,18 +348,21 @@ class Engine:
                         tokens[slot], positions[slot] = request.prompt[-1], request.prompt_len
                     elif not emit(request, slot, first, time.perf_counter() - start):
                         tokens[slot], positions[slot] = first, request.prompt_len
+                if len(self.buckets) > 1:
+                    self._compact(tokens, positions, slot_ids)
                 active = np.flatnonzero(positions >= 0)
                 if active.size == 0:
                     if self.scheduler.waiting and not admitted:  # check() makes every request fit an idle engine
                         raise RuntimeError("admission stalled with nothing running")
                     continue  # what was admitted finished at prefill (max_new_tokens 1 or EOS): admit again
                 begin = time.perf_counter()
-                topk = None if self.selector is None else self.selector.select(positions, slot_ids)
-                self.cache, logits, telemetry = self.runner.decode_step(self.cache, tokens, positions, topk)
-                next_tokens = np.asarray(self._argmax(logits))  # i32[R]
+                b = self._bucket(int(active.max()) + 1)  # compacted: active slots are 0 .. n - 1
+                topk = None if self.selector is None else self.selector.select(positions[:b], slot_ids[:b])
+                self.cache, logits, telemetry = self.runner.decode_step(self.cache, tokens[:b], positions[:b], topk)
+                next_tokens = np.asarray(self._argmax(logits))  # i32[b]
                 hits, misses = (int(x) for x in self._count(telemetry))
                 end = time.perf_counter()
-                steps.append(StepRecord(end - start, end - begin, int(active.size), hits, misses, misses * self.footprint.row_bytes))
+                steps.append(StepRecord(end - start, end - begin, int(active.size), hits, misses, misses * self.footprint.row_bytes, b))
                 for slot in active:
                     token = int(next_tokens[slot])
                     if not emit(self.scheduler.running_request(slot), slot, token, end - start):
@@ -345,7 +384,7 @@ class Engine:
         outputs = {r.id: np.asarray(generated[r.id], np.int32) for r in requests}
         return RunResult(outputs, steps, ordered, summary)
 
-    def warmup(self, requests: list[Request]) -> None:
+    def warmup(self, requests: list[Request], *, progress: bool = False) -> None:
         """Compiles everything `requests` will run (one prefill per padded prompt length, the
         decode step, retirement) on throwaway requests, so a timed run measures no compile."""
         for request in requests:
@@ -361,3 +400,27 @@ class Engine:
         # decode step is compiled whenever the run needs it.
         warm = [Request(i, r.prompt, min(2, r.max_new_tokens)) for i, r in enumerate(by_bucket.values())]
         self.run(warm, max_concurrency=1)
+        if any(r.max_new_tokens >= 2 for r in requests):
+            self.compile_buckets(progress=progress)
+
+    def compile_buckets(self, *, progress: bool = False) -> None:
+        """Compiles the decode step (and the synthetic selector) for every batch bucket by
+        running one step with every slot of the bucket inactive: nothing is written, read or
+        moved, and the timed run that follows compiles nothing."""
+        if self.scheduler.running_slots():
+            raise RuntimeError("compile_buckets needs an idle engine")
+        bar = _bar(progress, total=len(self.buckets), desc="compile decode buckets", unit="bucket")
+        try:
+            for b in self.buckets:
+                tokens, positions = np.zeros(b, np.int32), np.full(b, -1, np.int32)  # i32[b]: all inactive
+                topk = None if self.selector is None else self.selector.select(positions, np.zeros(b, np.int32))
+                self.cache, logits, telemetry = self.runner.decode_step(self.cache, tokens, positions, topk)
+                self._argmax(logits).block_until_ready()
+                self._count(telemetry)
+                bar.update(1)
+            if len(self.buckets) > 1:  # compaction's move, on a free slot onto itself: changes nothing
+                self.cache = self.runner.move_request(self.cache, 0, 0)
+                if self.selector is not None:
+                    self.selector.move(0, 0)
+        finally:
+            bar.close()

@@ -164,6 +164,16 @@ class Scheduler:
         """Slots with a request running, lowest first."""
         return sorted(self._running)
 
+    def move(self, source: int, target: int) -> None:
+        """The request running in `source` now runs in the free slot `target` (the engine moved
+        its KV state); its host pages and device bytes go with it, `source` is free."""
+        if source not in self._running or target in self._running or target not in self._free_slots:
+            raise ValueError(f"cannot move the request in slot {source} to slot {target}")
+        self._running[target] = self._running.pop(source)
+        self._free_slots.remove(target)
+        self._free_slots.append(source)
+        heapq.heapify(self._free_slots)
+
     def all_free(self) -> bool:
         """True when nothing waits or runs and every slot, host page and device byte is back."""
         pages_free = self.host_pages is None or self.host_pages.num_free == self.host_pages.num_pages

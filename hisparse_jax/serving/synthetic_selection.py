@@ -97,6 +97,9 @@ class SyntheticSelector:
         self._key = jax.random.key(seed)
         self._step = jax.jit(functools.partial(_step, overlap=overlap, max_context=max_context))
         self._reset = jax.jit(lambda previous, slot: previous.at[:, slot].set(-1), donate_argnums=0)
+        self._move = jax.jit(lambda previous, source, target: previous.at[:, target].set(previous[:, source]), donate_argnums=0)
+        # previous i32[J, R, K] <- current i32[J, b, K] in slots 0 .. b - 1
+        self._put = jax.jit(lambda previous, current: jax.lax.dynamic_update_slice(previous, current, (0, 0, 0)), donate_argnums=0)
         self.shared_entries = 0  # sum over steps of |S_t & S_t-1| (full sets only)
         self.compared_entries = 0  # sum over the same pairs of K
 
@@ -104,17 +107,26 @@ class SyntheticSelector:
         """A new request starts in `slot`: no previous selection."""
         self.previous = self._reset(self.previous, jnp.int32(slot))
 
+    def move(self, source: int, target: int) -> None:
+        """The request in slot `source` moved to `target` (the engine's compaction): so does its
+        previous selection."""
+        self.previous = self._move(self.previous, jnp.int32(source), jnp.int32(target))
+
     def select(self, positions, request_ids) -> jax.Array:
-        """positions i32[R] (-1 inactive), request_ids i32[R] -> this step's top-k i32[J, R, K].
+        """positions i32[b] (-1 inactive), request_ids i32[b] of slots 0 .. b - 1 (b <= R) ->
+        this step's top-k i32[J, b, K].
 
         The draws depend on (seed, request id, position) only: a request gets the same
-        selections whatever runs beside it, so HiSparse and the baseline stay token-identical."""
+        selections whatever runs beside it (and whichever slot it runs in), so HiSparse and the
+        baseline stay token-identical."""
         positions = jnp.asarray(positions, jnp.int32)
         request_ids = jnp.asarray(request_ids, jnp.int32)
-        self.previous, shared, compared = self._step(self._key, self.previous, positions, request_ids)
+        b = positions.shape[0]
+        current, shared, compared = self._step(self._key, self.previous[:, :b], positions, request_ids)
+        self.previous = self._put(self.previous, current)
         self.shared_entries += int(shared)
         self.compared_entries += int(compared)
-        return self.previous
+        return current
 
     @property
     def measured_overlap(self) -> float | None:

@@ -24,6 +24,7 @@ class StepRecord:
     hits: int  # selected rows found on the device, all layers and requests
     misses: int  # rows copied host -> device, all layers and requests
     h2d_bytes: int  # misses x row bytes
+    batch: int = 0  # slots the step computed: the batch bucket holding the running requests
 
 
 @dataclasses.dataclass
