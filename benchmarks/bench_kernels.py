@@ -3,21 +3,29 @@
     python benchmarks/bench_kernels.py --out=/tmp/bench.json
 
 1. Checks, on fresh random inputs at the benchmark sizes: swap-in plan kernel == jnp reference
-   (bit-exact, every field), copy kernels == reference (bf16 rows and packed fp8 rows),
-   attention kernel vs f32 reference (bf16 and fp8 rows); and that the compiled swap-in holds no
-   copy of the pinned host pool.
-2. Swap-in per layer: batch {1, 16, 64, 256}, top_k 2048, B 4096, bf16 576-wide rows (1152 B),
-   context 32768, misses {0, 5%, 20%, 100%} of top_k and the fast path. Pool = batch x 32768 rows
-   in pinned host memory, hosts pages randomly permuted. Before each launch: L2 flushed (a
-   256 MB read-modify-write), state restored, a different top-k.
+   (bit-exact, every field; long-path batches, and one mixing fast-path, free and long-path
+   requests), copy kernels == reference (bf16 rows and packed fp8 rows, the default grid and a
+   7-program one that loops over many work items), attention kernel vs f32 reference (bf16 and
+   fp8 rows; --nocheck_attention skips it); and that the compiled swap-in holds no copy of the
+   pinned host pool.
+2. Swap-in per layer: batch {1, 16, 64, 256} (or --cases), top_k 2048, B 4096, bf16 576-wide rows
+   (1152 B), context 32768, misses {0, 5%, 20%, 100%} of top_k and the fast path. Pool = batch x
+   32768 rows in pinned host memory. Before each launch: L2 flushed (a 256 MB read-modify-write),
+   state restored, a different top-k. Each row also times XLA's jnp plan with the same copy (the
+   in-JAX baseline), and with --tune the plan's and the copy's other launch shapes.
 3. Sparse MLA attention: batch {16, 64, 128}, heads {64, 128}, top_k 2048, bf16 rows; fp8 rows
    (FlashMLA's 656 B layout, dequantised in the kernel) at --fp8_sizes (batch 128 x 128 heads),
    with the same FLOP count and the kernel checked against the reference on the timed inputs;
    XLA's jnp reference timed the same way as the in-run baseline.
 
-Timing: N launches unrolled in one jit, separated by optimisation barriers; the same jit
-without the measured op is timed too and subtracted, so dispatch, the L2 flush and the restore
-cancel. Each figure is the median of --reps such differences divided by N.
+Timing: N (--iters) launches unrolled in one jit, separated by optimisation barriers, called
+--reps times under JAX's profiler (benchmarks/device_timing.py). Swap-in: per launch, the device
+time from the plan kernel's start to the copy kernel's end (`swap_in_us`, the median over
+iters x reps launches, with p10 / p90 / min / max), and each kernel's own time (`plan_us`,
+`copy_us`); the XLA reference: device busy time per launch (its kernels' summed durations minus
+those of the same jit without the swap-in). Also kept: the old host wall-clock difference of
+the two jits (`wall_us`), which carries the host's noise. Attention: the wall-clock difference.
+Without a device trace (CPU) swap_in_us is the wall-clock figure; `timing` says which it is.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from benchmarks import device_timing  # noqa: E402
 from benchmarks.swap_in_workload import make_workload  # noqa: E402
 from hisparse_jax import memory  # noqa: E402
 from hisparse_jax.row_layout import KVRowLayout  # noqa: E402
@@ -52,6 +61,10 @@ flags.DEFINE_list("sections", ["check", "swap_in", "attention"], "What to run.")
 flags.DEFINE_bool("smoke", False, "Tiny sizes, to try the script itself on a CPU (interpret mode).")
 flags.DEFINE_list("fp8_sizes", ["128x128"], "batch x heads at which attention over fp8 rows is timed too.")
 flags.DEFINE_list("attention_batches", ["16", "64", "128"], "Attention batch sizes (bf16 rows).")
+flags.DEFINE_list("cases", [], "Swap-in cases as batch:case (case: fast or a miss count per request); default: every batch of --batches with every case.")
+flags.DEFINE_bool("check_attention", True, "Section check: check the attention kernel too.")
+flags.DEFINE_bool("device_timing", True, "Swap-in: device time from JAX's profiler (else host wall-clock differences only).")
+flags.DEFINE_float("time_budget_s", 0, "Skip the optional swap-in timings once the run is this old (0: never).")
 
 TOP_K, BUFFER, CONTEXT, LATENT, ROPE = 2048, 4096, 32768, 512, 64
 WIDTH = LATENT + ROPE
@@ -60,6 +73,7 @@ GATHER_FLOOR_GBPS = (42.0, 51.0)  # docs/background.md: UVA gather of random 115
 FLUSH_WORDS = 64 * 1024 * 1024  # 256 MB of int32: over 4x the H200's 60 MB L2
 
 RESULTS: dict = {"device": None, "checks": {}, "swap_in": [], "attention": [], "errors": []}
+START = [time.perf_counter()]  # the run's start, for --time_budget_s
 
 
 def log(*args):
@@ -88,8 +102,9 @@ def random_pool(key, rows):
 
 
 def median_difference(run_full, run_base, reps):
-    run_full()  # both compiled and warm before the clock starts
-    run_base()
+    for _ in range(2):  # both compiled and warm before the clock starts (twice: donated outputs
+        run_full()  # come back as the next call's inputs, whose placement the first call fixes)
+        run_base()
     diffs = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -106,13 +121,27 @@ def median_difference(run_full, run_base, reps):
 # ----------------------------------------------------------------------------------------------
 
 
-def check_swap_in(rng, R, B, K, context, misses):
+def mix_in_short_requests(rng, w, topk, B):
+    """Turns every third request into a free slot (n = 0, no selection) and every third into a
+    fast-path one (n <= B: slot j holds token j; a selection with repeats, padding, the newest)."""
+    for r in range(1, len(w.lengths), 3):
+        w.lengths[r], topk[r] = 0, -1
+    for r in range(2, len(w.lengths), 3):
+        n = int(rng.integers(1, B + 1))
+        w.lengths[r] = n
+        w.buffer_tokens[0, r] = np.where(np.arange(B) < n, np.arange(B), -1)
+        topk[r] = rng.integers(-1, n, topk.shape[1])
+
+
+def check_swap_in(rng, R, B, K, context, misses, mixed=False):
     w = make_workload(rng, requests=R, buffer_size=B, top_k=K, context=context, misses=misses, num_sets=1)
     topk = w.topk_sets[0].copy()
     # Add duplicates, padding and the newest token to the exact-miss selection.
     topk[:, 1] = topk[:, 0]
     topk[:, 2] = -1
     topk[:, 3] = context - 1
+    if mixed:
+        mix_in_short_requests(rng, w, topk, B)
     scratch = jnp.full((R, context), swap_in.SCRATCH_EMPTY, jnp.int32)
     args = (jnp.asarray(topk), jnp.asarray(w.lengths), jnp.asarray(w.page_table))
 
@@ -140,6 +169,10 @@ def check_copy(rng):
     got = jax.jit(functools.partial(row_copy.copy_host_rows_to_buffer, implementation="pallas"), static_argnums=2)(
         pool, jnp.copy(buf0), 0, host, dev, num
     )
+    # 7 programs: each loops over many (request, 16 misses) work items.
+    looped = jax.jit(functools.partial(row_copy.copy_host_rows_to_buffer_pallas, programs=7), static_argnums=2)(
+        pool, jnp.copy(buf0), 0, host, dev, num
+    )
     rows = jnp.asarray(rng.standard_normal((R, WIDTH)), jnp.bfloat16)
     slots = jnp.asarray(rng.choice(S, R, replace=False), jnp.int32).at[3].set(-1)
     write = lambda impl: jax.jit(  # noqa: E731
@@ -148,7 +181,7 @@ def check_copy(rng):
     )
     w_ref = np.asarray(write("reference")(pinned(jnp.asarray(np.asarray(pool))), 0, rows, slots))
     w_got = np.asarray(write("pallas")(pinned(jnp.asarray(np.asarray(pool))), 0, rows, slots))
-    return bool(np.array_equal(ref, got)) and bool(np.array_equal(w_ref, w_got))
+    return bool(np.array_equal(ref, got)) and bool(np.array_equal(ref, looped)) and bool(np.array_equal(w_ref, w_got))
 
 
 def layout_of(rows: str) -> KVRowLayout:
@@ -249,17 +282,18 @@ def run_checks():
         log(f"check {name}: {checks[name]}")
         save()
 
-    shapes = [(8, BUFFER, TOP_K, CONTEXT, 300), (5, 6144, TOP_K, CONTEXT, 2048), (6, 24, 16, 400, 5), (64, BUFFER, TOP_K, CONTEXT, 100)]
+    # (R, B, K, context, misses per long request, mixed: every third request free, every third fast-path)
+    shapes = [(5, 6144, TOP_K, CONTEXT, 2048, False), (6, 24, 16, 400, 5, True), (64, BUFFER, TOP_K, CONTEXT, 300, True)]
     if FLAGS.smoke:
-        shapes = [(3, BUFFER, TOP_K, CONTEXT, 5), (2, 24, 16, 400, 5)]
-    for R, B, K, context, m in shapes:
-        def plan_check(R=R, B=B, K=K, context=context, m=m):
-            ok, copied = check_swap_in(rng, R, B, K, context, m)
+        shapes = [(3, BUFFER, TOP_K, CONTEXT, 5, False), (6, 24, 16, 400, 5, True)]
+    for R, B, K, context, m, mixed in shapes:
+        def plan_check(R=R, B=B, K=K, context=context, m=m, mixed=mixed):
+            ok, copied = check_swap_in(rng, R, B, K, context, m, mixed)
             return {"ok": ok, "rows_copied": copied}
-        attempt(f"swap_in_plan R{R} B{B} K{K} misses{m}", plan_check)
+        attempt(f"swap_in_plan R{R} B{B} K{K} misses{m}{' mixed' if mixed else ''}", plan_check)
     attempt("row_copies", lambda: {"ok": check_copy(rng)})
     attempt("row_copies fp8_e4m3", lambda: {"ok": check_fp8_copy(rng)})
-    for rows in ("bfloat16", "fp8_e4m3"):
+    for rows in ("bfloat16", "fp8_e4m3") if FLAGS.check_attention else ():
         for R, H in [(4, 128), (3, 64)]:
             def attention_check(R=R, H=H, rows=rows):
                 ok, rel = check_attention(rng, R, H, rows)
@@ -276,9 +310,21 @@ def run_checks():
 # swap-in timing
 # ----------------------------------------------------------------------------------------------
 
+PLAN_KERNEL, COPY_KERNEL = "hisparse_swap_in_plan", "hisparse_copy_host_rows"  # the GPU kernels' names
+MISS_COUNTS = [0, 102, 410, 2048]  # per request: 0, 5%, 20%, 100% of top_k (--smoke: 0, 2, 16)
 
-def swap_in_loop(kind, iters, page_size, plan_kw, copy_kw):
-    """One jit running `iters` launches of `kind` ('base', 'plan', 'swap_in', 'reference_plan+copy')."""
+
+def over_budget() -> bool:
+    """Whether the optional timings (sweeps, fragmented pool) are to be skipped (--time_budget_s)."""
+    return FLAGS.time_budget_s > 0 and time.perf_counter() - START[0] > FLAGS.time_budget_s
+
+
+@functools.lru_cache(maxsize=None)
+def swap_in_loop(kind, iters, page_size, plan_kw=(), copy_kw=()):
+    """One jit running `iters` launches of `kind`: "base" (no swap-in), "pallas" (what
+    attention_layer runs) or "reference" (XLA's jnp plan + the Pallas copy). Cached: the cases of
+    a batch share their shapes, so one compile serves them all. plan_kw, copy_kw: launch-shape
+    overrides as tuples of (name, value)."""
 
     def loop(buf, scratch, flush, bt0, lru0, topk_sets, lengths, page_table, pool, zero):
         checksum = jnp.int32(0)
@@ -287,60 +333,132 @@ def swap_in_loop(kind, iters, page_size, plan_kw, copy_kw):
             bt, lru = bt0 ^ zero, lru0 ^ zero  # restore the state (an opaque op XLA cannot elide)
             topk = topk_sets[i % topk_sets.shape[0]] ^ zero
             flush, bt, lru, topk, buf, scratch = jax.lax.optimization_barrier((flush, bt, lru, topk, buf, scratch))
+            slots, misses = topk, lengths
             if kind != "base":
-                if kind == "reference_plan+copy":
+                if kind == "reference":
                     plan, bt, lru, scratch = swap_in.swap_in_plan(bt, lru, scratch, 0, topk, lengths, page_table, page_size=page_size, implementation="reference")
                 else:
-                    plan, bt, lru, scratch = swap_in.swap_in_plan_pallas(bt, lru, scratch, jnp.int32(0), topk, lengths, page_table, page_size=page_size, **plan_kw)
-                if kind != "plan":
-                    buf = row_copy.copy_host_rows_to_buffer_pallas(
-                        pool, buf, jnp.int32(0), plan.miss_host_slots, plan.miss_device_slots, plan.num_misses, **copy_kw
-                    )
-                checksum += plan.num_misses[0] + plan.slots[0, 0]
-            flush, buf, scratch, bt, lru, checksum = jax.lax.optimization_barrier((flush, buf, scratch, bt, lru, checksum))
-            checksum += bt[0, 0, 0] + lru[0, 0, 0]
+                    plan, bt, lru, scratch = swap_in.swap_in_plan_pallas(bt, lru, scratch, jnp.int32(0), topk, lengths, page_table, page_size=page_size, **dict(plan_kw))
+                buf = row_copy.copy_host_rows_to_buffer_pallas(
+                    pool, buf, jnp.int32(0), plan.miss_host_slots, plan.miss_device_slots, plan.num_misses, **dict(copy_kw)
+                )
+                slots, misses = plan.slots, plan.num_misses
+            # Consumers of the plan come after this barrier, so nothing sits between the kernels.
+            flush, buf, scratch, bt, lru, slots, misses = jax.lax.optimization_barrier((flush, buf, scratch, bt, lru, slots, misses))
+            checksum += bt[0, 0, 0] + lru[0, 0, 0] + slots[0, 0] + misses[0]
         return buf, scratch, flush, checksum
 
     return jax.jit(loop, donate_argnums=(0, 1, 2))
 
 
 class Carry:
-    """Device buffers threaded through the timed calls (donated each call, never re-allocated)."""
+    """Device buffers threaded through the timed calls (donated each call, never re-allocated),
+    and the device busy time of one call of the batch's base loop (measured once)."""
 
     def __init__(self, R, context):
-        self.buf = jnp.zeros((1, R, BUFFER + 1, WIDTH), jnp.bfloat16)
-        self.scratch = jnp.full((R, context), swap_in.SCRATCH_EMPTY, jnp.int32)
-        self.flush = jnp.zeros((FLUSH_WORDS,), jnp.int32)
+        # Committed to the device like the jit's outputs that replace them: an uncommitted first
+        # input would make the second call compile again, inside the timed repetitions.
+        self.buf = device(jnp.zeros((1, R, BUFFER + 1, WIDTH), jnp.bfloat16))
+        self.scratch = device(jnp.full((R, context), swap_in.SCRATCH_EMPTY, jnp.int32))
+        self.flush = device(jnp.zeros((FLUSH_WORDS,), jnp.int32))
+        self.base_busy_us = None
 
     def run(self, fn, *args):
         self.buf, self.scratch, self.flush, checksum = fn(self.buf, self.scratch, self.flush, *args)
         checksum.block_until_ready()
 
 
-def time_swap_in_case(entry, w, carry, pool, kinds, plan_kw, copy_kw):
+def record_profile_info(info):
+    """Keeps the first trace's plane / line / kernel names in the JSON (to read the trace by)."""
+    if "profile" not in RESULTS:
+        RESULTS["profile"] = info
+
+
+def device_figures(entry, run_full, run_base, carry, kind):
+    """Adds device-time figures to `entry`: per launch (pallas) the span from the plan kernel's
+    start to the copy kernel's end and each kernel's own time; per call the device busy time
+    minus the base loop's, per launch (every kind). `swap_in_us` becomes the span's median, or
+    for the reference (XLA kernels without one name) the busy time's."""
+    iters, reps = FLAGS.iters, FLAGS.reps
+    if carry.base_busy_us is None:
+        events, info = device_timing.record(run_base, reps)
+        record_profile_info(info)
+        busy = device_timing.busy_per_call(events, reps)
+        carry.base_busy_us = statistics.median(busy) if busy else float("nan")
+    events, info = device_timing.record(run_full, reps)
+    record_profile_info(info)
+    busy = [(b - carry.base_busy_us) / iters for b in device_timing.busy_per_call(events, reps)]
+    entry.update(device_timing.summary(busy, "busy"))
+    launches = device_timing.launches(events, PLAN_KERNEL, COPY_KERNEL)
+    entry.update(device_timing.summary([e.duration_ns / 1e3 for e in events if COPY_KERNEL in e.name], "copy"))
+    if kind == "pallas" and len(launches) == iters * reps:
+        entry.update(device_timing.summary([x.span_us for x in launches], "swap_in"))
+        entry.update(device_timing.summary([x.first_us for x in launches], "plan"))
+        entry.update(device_timing.summary([x.last_us for x in launches], "copy"))
+        entry.update(device_timing.summary([x.first_us + x.last_us for x in launches], "kernels"))
+        entry["timing"] = "device: plan kernel start to copy kernel end, per launch"
+    elif busy and np.isfinite(busy[0]):
+        entry["swap_in_us"] = entry["busy_us"]
+        entry["timing"] = "device: busy time per launch (summed kernels, minus the base loop)"
+    if "swap_in_p10_us" in entry:
+        entry["swap_in_spread_us"] = entry["swap_in_p90_us"] - entry["swap_in_p10_us"]
+    elif "busy_p10_us" in entry and entry.get("timing", "").startswith("device"):
+        entry["swap_in_spread_us"] = entry["busy_p90_us"] - entry["busy_p10_us"]
+
+
+def time_swap_in_case(entry, w, carry, pool, kind="pallas", plan_kw=(), copy_kw=()):
+    """Times one (batch, case, variant): wall-clock difference always, device time if enabled."""
     iters = FLAGS.iters
     args = tuple(jnp.asarray(a) for a in (w.buffer_tokens, w.lru_slots, w.topk_sets, w.lengths, w.page_table))
     args += (pool, jnp.int32(0))
-    base = swap_in_loop("base", iters, w.page_size, {}, {})
+    base = swap_in_loop("base", iters, w.page_size)
+    fn = swap_in_loop(kind, iters, w.page_size, plan_kw, copy_kw)
+    run_full, run_base = lambda: carry.run(fn, *args), lambda: carry.run(base, *args)
     R, misses = entry["batch"], entry["misses_per_request"]
     try:
-        for kind in kinds:
-            fn = swap_in_loop(kind, iters, w.page_size, plan_kw, copy_kw)
-            med, diffs = median_difference(lambda: carry.run(fn, *args), lambda: carry.run(base, *args), FLAGS.reps)
-            entry[f"{kind}_us"] = med / iters * 1e6
-            entry[f"{kind}_spread_us"] = (max(diffs) - min(diffs)) / iters * 1e6
+        med, diffs = median_difference(run_full, run_base, FLAGS.reps)
+        entry.update(wall_us=med / iters * 1e6, wall_spread_us=(max(diffs) - min(diffs)) / iters * 1e6)
+        entry.update(swap_in_us=entry["wall_us"], swap_in_spread_us=entry["wall_spread_us"], timing="wall-clock difference")
+        if FLAGS.device_timing:
+            device_figures(entry, run_full, run_base, carry, kind)
         if misses:
-            entry["miss_GBps"] = R * misses * ROW_BYTES / (entry[f"{kinds[0]}_us"] * 1e-6) / 1e9
+            entry["miss_GBps"] = R * misses * ROW_BYTES / (entry["swap_in_us"] * 1e-6) / 1e9
+            if entry.get("copy_us"):
+                entry["copy_GBps"] = R * misses * ROW_BYTES / (entry["copy_us"] * 1e-6) / 1e9
             entry["floor_us"] = R * misses * ROW_BYTES / (GATHER_FLOOR_GBPS[1] * 1e9) * 1e6
     except Exception as e:  # keep timing the other cases
         entry["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         RESULTS["errors"].append(traceback.format_exc()[-2000:])
     RESULTS["swap_in"].append(entry)
-    log("  " + json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in entry.items()}))
+    keys = ("batch", "case", "variant", "swap_in_us", "swap_in_p10_us", "swap_in_p90_us", "plan_us", "copy_us", "kernels_us", "busy_us", "wall_us", "miss_GBps", "error")
+    log("  " + json.dumps({k: (round(entry[k], 2) if isinstance(entry[k], float) else entry[k]) for k in keys if k in entry}))
     save()
 
 
-def bench_swap_in_batch(rng, R, key):
+def parse_cases(batches, cases):
+    """{batch: [case, ...]}: --cases entries "batch:case" (case "fast" or a miss count), else
+    every batch of --batches with the fast path and every miss count."""
+    if not cases:
+        return {int(b): ["fast", *map(str, MISS_COUNTS)] for b in batches}
+    out: dict[int, list[str]] = {}
+    for item in cases:
+        batch, case = item.split(":")
+        out.setdefault(int(batch), []).append(case)
+    return out
+
+
+def workload(rng, R, case, page_layout="contiguous"):
+    """(label, misses per request, workload) of one case; the fast path (n = K <= B) keeps the
+    long path's page-table shape so that every case of a batch runs the same compiled loop."""
+    fast = case == "fast"
+    misses = 0 if fast else min(int(case), TOP_K)
+    w = make_workload(
+        rng, requests=R, buffer_size=BUFFER, top_k=TOP_K, context=CONTEXT, misses=misses, fast_path=fast, page_layout=page_layout
+    )
+    return ("fast path" if fast else f"{misses} misses"), misses, w
+
+
+def bench_swap_in_batch(rng, R, key, cases, sweep_copy=False):
     pool_rows = R * CONTEXT
     log(f"[swap-in] batch {R}: pool {pool_rows} rows = {pool_rows * ROW_BYTES / 1e9:.2f} GB pinned ...")
     t0 = time.perf_counter()
@@ -348,26 +466,23 @@ def bench_swap_in_batch(rng, R, key):
     pool.block_until_ready()
     log(f"  pool ready in {time.perf_counter() - t0:.1f} s")
     carry = Carry(R, CONTEXT)
-    variants = [("pallas", {}, {}, "contiguous"), ("pallas, fragmented pool", {}, {}, "random")]
-    if FLAGS.tune:
-        variants += [("pallas copy rows32 w8", {}, dict(rows=32, num_warps=8), "contiguous")]
-    miss_counts = (0, 102, 410, 2048) if not FLAGS.smoke else (0, 2, 16)
-    cases = [("fast path", 0, True)] + [(f"{m} misses", m, False) for m in miss_counts]
-    for label, misses, fast in cases:
-        for name, plan_kw, copy_kw, layout in variants:
-            if layout != "contiguous" and misses == 0:
-                continue  # nothing is copied: the page layout cannot matter
-            w = make_workload(
-                rng, requests=R, buffer_size=BUFFER, top_k=TOP_K, context=CONTEXT if not fast else TOP_K, misses=misses,
-                fast_path=fast, page_layout=layout,
-            )
-            entry = {"batch": R, "case": label, "misses_per_request": misses, "variant": name}
-            time_swap_in_case(entry, w, carry, pool, ["swap_in", "plan"] if name == "pallas" else ["swap_in"], plan_kw, copy_kw)
-    # XLA's own plan (the jnp reference) with the Pallas copy: the in-run baseline for the plan kernel.
-    if R <= 64:
-        w = make_workload(rng, requests=R, buffer_size=BUFFER, top_k=TOP_K, context=CONTEXT, misses=min(102, TOP_K // 4))
-        entry = {"batch": R, "case": "102 misses", "misses_per_request": min(102, TOP_K // 4), "variant": "xla reference plan + pallas copy"}
-        time_swap_in_case(entry, w, carry, pool, ["reference_plan+copy"], {}, {})
+    most_misses = max((c for c in cases if c != "fast"), key=int, default=None)
+    for case in cases:
+        label, misses, w = workload(rng, R, case)
+        entry = lambda variant: {"batch": R, "case": label, "misses_per_request": misses, "variant": variant}  # noqa: E731
+        time_swap_in_case(entry("pallas"), w, carry, pool)
+        # The in-JAX baseline on every row: XLA's own (sort-based) plan with the same copy.
+        time_swap_in_case(entry("xla reference plan + pallas copy"), w, carry, pool, kind="reference")
+        if FLAGS.tune and not over_budget() and case == "0":
+            for warps in (4, 8):  # the plan's launch shape (default 16 warps)
+                time_swap_in_case(entry(f"pallas, plan {warps} warps"), w, carry, pool, plan_kw=(("num_warps", warps),))
+        if case == most_misses and misses and not over_budget():
+            _, _, fragmented = workload(rng, R, case, page_layout="random")
+            time_swap_in_case(entry("pallas, fragmented pool"), fragmented, carry, pool)
+            if FLAGS.tune and sweep_copy:  # the copy's launch shapes, at the largest batch only
+                for name, copy_kw in copy_shapes():
+                    if not over_budget():
+                        time_swap_in_case(entry(f"pallas, copy {name}"), w, carry, pool, copy_kw=copy_kw)
     # The link ceiling in the same run: one contiguous host -> device copy of 2048 rows per request.
     contiguous = jax.jit(lambda p: jax.device_put(p[:, : R * TOP_K], memory.sharding(memory.DEVICE)))
     try:
@@ -384,6 +499,16 @@ def bench_swap_in_batch(rng, R, key):
         RESULTS["errors"].append(f"contiguous copy: {e}"[:500])
     del pool, carry
     save()
+
+
+def copy_shapes():
+    """Copy launch shapes timed beside the default (16 rows per item, 4 warps, 4 programs per SM)."""
+    sms = row_copy.num_sms()
+    return [
+        ("32 rows, 8 warps", (("rows", 32), ("num_warps", 8))),
+        ("16 rows, 8 programs per SM", (("programs", 8 * sms),)),
+        ("evict_first", (("eviction_policy", "evict_first"),)),
+    ]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -483,8 +608,11 @@ def main(_):
         WIDTH = LATENT + ROPE
         ROW_BYTES = WIDTH * 2
         FLAGS.fp8_sizes, FLAGS.attention_batches = ["2x4"], ["2"]
+        MISS_COUNTS[:] = [0, 2, 16]
+    START[0] = time.perf_counter()
     RESULTS["device"] = str(jax.devices()[0].device_kind)
     RESULTS["jax"] = jax.__version__
+    RESULTS["sms"] = row_copy.num_sms()
     log(f"devices: {jax.devices()}  jax {jax.__version__}")
     if "check" in FLAGS.sections:
         try:
@@ -495,9 +623,10 @@ def main(_):
             save()
     if "swap_in" in FLAGS.sections:
         key = jax.random.key(0)
-        for R in map(int, FLAGS.batches):
+        batches = parse_cases(FLAGS.batches, FLAGS.cases)
+        for R, cases in batches.items():
             try:
-                bench_swap_in_batch(np.random.default_rng(R), R, jax.random.fold_in(key, R))
+                bench_swap_in_batch(np.random.default_rng(R), R, jax.random.fold_in(key, R), cases, sweep_copy=R == max(batches))
             except Exception:
                 RESULTS["errors"].append(traceback.format_exc()[-3000:])
                 log(traceback.format_exc())

@@ -7,7 +7,14 @@
 
 On GPU both kernels address the pinned host pool directly (UVA over PCIe): no staging copy of
 the pool exists; benchmarks/bench_kernels.py asserts the compiled HLO holds none. Rows move as
-opaque `W`-wide arrays, split into power-of-two pieces (Triton's rule): 576 = 512 + 64.
+opaque `W`-wide arrays, split into power-of-two pieces (Triton's rule): 576 = 512 + 64, fp8's
+164 words = 128 + 32 + 4; every piece of a row is loaded (16-byte vector loads) before any is
+stored, so a row costs one PCIe round trip, not one per piece.
+
+The swap-in copy runs on a fixed grid (PROGRAMS_PER_SM per SM, fewer if there is less work): the
+programs share the (request, `rows` misses) work items, so the launch costs the same at any
+batch and does nothing past one load of num_misses when nothing missed, and a single request
+with many misses still spreads over many SMs.
 
 implementation="tpu" moves the same rows as DMAs (pallas_kernels/tpu_row_copy.py).
 
@@ -22,11 +29,18 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.common import check_equal, check_layer_index, check_rank
 
-DEFAULT_ROWS_PER_PROGRAM = 16
+DEFAULT_ROWS_PER_PROGRAM = 16  # rows per work item of the copy (HiSparseConfig.copy_rows_per_program)
+# Copy programs per SM. Measured on the H200 (bench_kernels.py --tune, 2026-12-01): 16 rows x
+# 4 warps x 4 per SM copies 256 x 2048 rows from a 9.66 GB pool in 12.03 ms (50 GB/s, the
+# contiguous device_put of the same bytes: 49 GB/s); 32 rows x 8 warps, 8 per SM and
+# evict_first loads all came within 2% (11.80 - 11.95 ms). With no misses the launch takes
+# 1.2 - 1.8 us at batch 1 - 256.
+PROGRAMS_PER_SM = 4
 
 
 def _check_copy_inputs(pool, device_buffer, layer, miss_host, miss_device, num_misses) -> None:
@@ -79,6 +93,30 @@ def copy_host_rows_to_buffer_reference(pool, device_buffer, layer, miss_host, mi
     return device_buffer.at[layer, request, slot].set(rows, mode="drop")
 
 
+def _request_of_item(item, items_end, num_misses, requests):
+    """(request, its first item, its miss count) of work item `item` (a scalar).
+
+    items_end: i32[Rb] work items of requests 0..r together (inclusive cumsum); num_misses,
+    requests: i32[Rb]. Register-only: a compare and three reductions, no memory round trip."""
+    before = items_end <= item  # bool[Rb]: requests whose items all come before `item`
+    r = jnp.sum(before.astype(jnp.int32))
+    first = jnp.max(jnp.where(before, items_end, 0))  # items_end is non-decreasing
+    return r, first, jnp.sum(jnp.where(requests == r, num_misses, 0))
+
+
+def _load_rows(pool_ref, layer, src, take, interpret, eviction_policy):
+    """All pieces of the rows pool[layer, src[i]] (row[rows, size] each), loaded before any store
+    so that every piece of every row is in flight at once (a store in between would have to wait:
+    the compiler cannot tell the pool from the buffer)."""
+    pieces = []
+    for offset, size in common.power_of_2_pieces(pool_ref.shape[2]):
+        mask = jnp.broadcast_to(take[:, None], (take.shape[0], size))
+        index = common.row_block((layer,), src, offset, size, interpret)
+        values = plgpu.load(pool_ref.at[index], mask=mask, other=0, eviction_policy=eviction_policy)
+        pieces.append((offset, size, mask, values))
+    return pieces
+
+
 def _copy_host_rows_kernel(
     layer_ref,  # i32[1]
     num_misses_ref,  # i32[R]
@@ -89,48 +127,89 @@ def _copy_host_rows_kernel(
     buffer_ref,  # row[L, R, B1, W] in/out
     *,
     rows: int,
+    request_block: int,
     interpret: bool,
+    eviction_policy: str | None,
 ):
-    r, chunk = pl.program_id(0), pl.program_id(1)
-    K, S, B1 = miss_host_ref.shape[1], pool_ref.shape[1], buffer_ref.shape[2]
-    num = num_misses_ref[r]
-    start = chunk * rows
+    # Work item = `rows` consecutive plan entries of one request; items are numbered request by
+    # request, and program p takes items p, p + G, p + 2G, ... (G programs). With no misses
+    # anywhere every program exits after one load of num_misses.
+    program, num_programs = pl.program_id(0), pl.num_programs(0)
+    R, K = miss_host_ref.shape
+    S, B1 = pool_ref.shape[1], buffer_ref.shape[2]
+    layer = layer_ref[0]
+    requests = jnp.arange(request_block, dtype=jnp.int32)  # i32[Rb]
+    is_request = requests < R
+    num = common.gather(num_misses_ref, (common.safe_index(requests, is_request, R),), is_request, 0)  # i32[Rb]
+    items_end = jnp.cumsum((num + rows - 1) // rows)  # i32[Rb], inclusive
+    total = jnp.max(items_end)
+    my_items = (total - program + num_programs - 1) // num_programs  # >= 0: program < num_programs
 
-    @pl.when(start < num)
-    def _copy():
-        i = start + jnp.arange(rows, dtype=jnp.int32)
-        take = i < num
+    def copy_item(t, carry):
+        item = program + t * num_programs
+        r, first, n_r = _request_of_item(item, items_end, num, requests)
+        i = (item - first) * rows + jnp.arange(rows, dtype=jnp.int32)  # i32[rows]: plan entries
+        take = i < n_r
         safe_i = common.safe_index(i, take, K)
-        src = common.gather(miss_host_ref, (r, safe_i), take, 0)
-        dst = common.gather(miss_device_ref, (r, safe_i), take, 0)
-        src = common.safe_index(src, take, S)
-        dst = common.safe_index(dst, take, B1)
-        layer = layer_ref[0]
-        for offset, size in common.power_of_2_pieces(pool_ref.shape[2]):
-            mask = jnp.broadcast_to(take[:, None], (rows, size))
-            values = common.gather(pool_ref, common.row_block((layer,), src, offset, size, interpret), mask, 0)
+        src = common.safe_index(common.gather(miss_host_ref, (r, safe_i), take, 0), take, S)  # i32[rows]
+        dst = common.safe_index(common.gather(miss_device_ref, (r, safe_i), take, 0), take, B1)  # i32[rows]
+        for offset, size, mask, values in _load_rows(pool_ref, layer, src, take, interpret, eviction_policy):
             common.scatter(buffer_ref, common.row_block((layer, r), dst, offset, size, interpret), values, mask)
+        return carry
+
+    jax.lax.fori_loop(0, my_items, copy_item, 0)
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the default device (132 on an H200); 2 where unknown (CPU)."""
+    return getattr(jax.devices()[0], "core_count", None) or 2
+
+
+def copy_grid_size(R: int, K: int, rows: int, programs: int | None = None) -> int:
+    """Programs of the copy kernel: `programs` (default PROGRAMS_PER_SM per SM), never more than
+    the largest possible number of work items (R x ceil(K / rows))."""
+    if programs is None:
+        programs = PROGRAMS_PER_SM * num_sms()
+    return max(1, min(programs, R * pl.cdiv(K, rows)))
 
 
 def copy_host_rows_to_buffer_pallas(
-    pool, device_buffer, layer, miss_host, miss_device, num_misses, *, rows=DEFAULT_ROWS_PER_PROGRAM, num_warps=4
+    pool,
+    device_buffer,
+    layer,
+    miss_host,
+    miss_device,
+    num_misses,
+    *,
+    rows=DEFAULT_ROWS_PER_PROGRAM,
+    num_warps=4,
+    programs=None,
+    eviction_policy=None,
 ):
     """The Pallas copy, reading the pinned pool in place; shapes as copy_host_rows_to_buffer.
 
-    One program per (request, `rows` plan entries); returns the updated row[L, R, B1, W]."""
+    A fixed grid of `copy_grid_size(R, K, rows, programs)` programs shares the (request, `rows`
+    plan entries) work items; returns the updated row[L, R, B1, W]."""
     _check_copy_inputs(pool, device_buffer, layer, miss_host, miss_device, num_misses)
     R, K = miss_host.shape
+    kernel = functools.partial(
+        _copy_host_rows_kernel,
+        rows=rows,
+        request_block=common.next_power_of_2(R),
+        interpret=common.interpret_mode(),
+        eviction_policy=eviction_policy,
+    )
     return pl.pallas_call(
-        functools.partial(_copy_host_rows_kernel, rows=rows, interpret=common.interpret_mode()),
+        kernel,
         out_shape=jax.ShapeDtypeStruct(device_buffer.shape, device_buffer.dtype),
-        grid=(R, pl.cdiv(K, rows)),
+        grid=(copy_grid_size(R, K, rows, programs),),
         in_specs=[common.any_spec()] * 6,
         out_specs=common.any_spec(),
         input_output_aliases={5: 0},
         compiler_params=common.triton_params(num_warps=num_warps),
         interpret=common.interpret_mode(),
         name="hisparse_copy_host_rows",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), num_misses, miss_host, miss_device, pool, device_buffer)
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), num_misses.astype(jnp.int32), miss_host, miss_device, pool, device_buffer)
 
 
 def copy_host_rows_to_buffer(

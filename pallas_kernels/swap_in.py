@@ -170,15 +170,63 @@ def swap_in_plan_reference(buffer_tokens, lru_slots, topk, lengths, page_table, 
 
 
 # --------------------------------------------------------------------------------------------
-# Pallas kernel: one program per request, phases separated by CTA barriers.
+# Pallas kernel: one program per request, the whole top-k row and LRU walk in registers.
 #
 # The program keeps no table of its own: a per-request row of `scratch` indexed by position
 # (SCRATCH_EMPTY between calls) plays the role of SGLang's shared-memory hash. Entry values:
 #   k >= 0        position first selected at top-k index k
-#   -2 - slot     position resolved to `slot` (hit, or miss just assigned)
-# `order` is a per-request temporary: non-hit slots in LRU order from the front, hit slots in
-# LRU order from the back; the new LRU order is read straight out of it.
+#   -2 - slot     position held by `slot` (a hit), or (repeated misses only) its victim
+# Every other value lives in registers; the dependent global-memory round trips, in order:
+#   1. load the top-k row and the LRU order          4. mark hits in the scratch, write the LRU
+#   2. mark the top-k in the scratch; load tokens     5. read the marks back at the top-k
+#   3. read marks at the top-k and at the tokens      6. read victims (the new LRU) and pages
+# then the outputs, and the scratch restored. The fast path (n <= B) stops after 3.
+# The new LRU order is computed in registers from the walk's ranks and written once; the
+# victims are read back out of it (the i-th miss's victim sits at num_nonhit - num_misses + i).
 # --------------------------------------------------------------------------------------------
+
+
+def _mark_first_occurrences(scratch_at, scratch_set, k, pos, want, interpret):
+    """Leaves scratch[pos] = the smallest k selecting pos; returns (distinct positions, repeats?).
+
+    k, pos: i32[Kb]; want: bool[Kb]. Plain stores leave one arbitrary writer per position;
+    "store k where k is smaller" repeats until no lane is smaller, which takes no extra pass
+    unless the top-k repeats a position. (JAX 0.11's Triton lowering mis-lowers a vector integer
+    atomic_min as a float min, so no atomics.) The caller has stored k at pos and synchronised."""
+
+    def survey():
+        marked = scratch_at(pos, want, -1)  # i32[Kb]
+        lost = jnp.max((want & (k < marked)).astype(jnp.int32)) > 0
+        return lost, jnp.sum((want & (marked == k)).astype(jnp.int32))
+
+    def store_smaller(_):
+        scratch_set(pos, k, want & (k < scratch_at(pos, want, -1)))
+        common.barrier(interpret)
+        return survey()
+
+    # The loop condition is carried, not read from refs: the interpreter evaluates a while
+    # condition on the refs as they were when the loop started.
+    _, num_distinct = jax.lax.while_loop(lambda carry: carry[0], store_smaller, survey())
+    return num_distinct, num_distinct < jnp.sum(want.astype(jnp.int32))
+
+
+def _new_lru_index(hit, walk, i, B, num_misses):
+    """Where each slot of the old LRU order goes in the new one, and the number of non-hit slots.
+
+    hit, walk: bool[Bb] (walk: a real slot of a long-path request); i: i32[Bb] the old index.
+    New order: untouched non-hits (old order), the first num_misses non-hits (the victims, just
+    filled, in miss order), then the hits (old order)."""
+    nonhit = walk & ~hit
+    nonhit_end = jnp.cumsum(nonhit.astype(jnp.int32))  # i32[Bb]: non-hits in [0, i]
+    num_nonhit = B - jnp.sum(hit.astype(jnp.int32))
+    nonhit_rank = nonhit_end - 1
+    hit_rank = i - nonhit_end  # hits before i
+    index = jnp.where(
+        hit,
+        num_nonhit + hit_rank,
+        jnp.where(nonhit_rank >= num_misses, nonhit_rank - num_misses, num_nonhit - num_misses + nonhit_rank),
+    )
+    return index, num_nonhit
 
 
 def _plan_kernel(
@@ -190,17 +238,18 @@ def _plan_kernel(
     _lru_in,  # aliased to lru_ref
     _scratch_in,  # aliased to scratch_ref
     slots_ref,  # i32[R, K] out
-    counts_ref,  # i32[R, 2] out: (hits, misses)
+    hits_ref,  # i32[R] out
+    misses_ref,  # i32[R] out (separate outputs: a column of one [R, 2] array would cost the
+    #              copy kernel a slicing launch in front of it)
     miss_host_ref,  # i32[R, K] out
     miss_device_ref,  # i32[R, K] out
-    order_ref,  # i32[R, B] out, temporary
     buffer_tokens_ref,  # i32[L, R, B] in/out
     lru_ref,  # i32[L, R, B] in/out
     scratch_ref,  # i32[R, C] in/out
     *,
     page_size: int,
-    k_chunk: int,
-    b_chunk: int,
+    k_block: int,
+    b_block: int,
     interpret: bool,
 ):
     r = pl.program_id(0)
@@ -208,6 +257,7 @@ def _plan_kernel(
     K, B, C, P = topk_ref.shape[1], buffer_tokens_ref.shape[2], scratch_ref.shape[1], page_table_ref.shape[1]
     n = lengths_ref[r]
     newest = n - 1
+    long = n > B
 
     def scratch_at(pos, mask, other):
         return common.gather(scratch_ref, (r, common.safe_index(pos, mask, C)), mask, other)
@@ -215,135 +265,86 @@ def _plan_kernel(
     def scratch_set(pos, value, mask):
         common.scatter(scratch_ref, (r, common.safe_index(pos, mask, C)), value, mask)
 
-    # The top-k row, loaded once and kept in registers through every phase: each reload would
-    # be one more dependent memory round trip on a program that is latency-bound.
-    topk_chunks = []  # (k, in_range, pos, wants_slot) per chunk of the row
-    for start in range(0, K, k_chunk):
-        k = start + jnp.arange(k_chunk, dtype=jnp.int32)
-        in_range = k < K
-        pos = common.gather(topk_ref, (r, common.safe_index(k, in_range, K)), in_range, -1)
-        topk_chunks.append((k, in_range, pos, (pos >= 0) & (pos != newest)))
-    num_wanted = sum(jnp.sum(want.astype(jnp.int32)) for *_, want in topk_chunks)
-    newest_selected = functools.reduce(
-        jnp.maximum, [jnp.max(((pos >= 0) & (pos == newest)).astype(jnp.int32)) for _, _, pos, _ in topk_chunks]
-    )
+    def lru_at(index, mask, other):
+        return common.gather(lru_ref, (layer, r, common.safe_index(index, mask, B)), mask, other)
 
-    def slot_chunks():
-        for start in range(0, B, b_chunk):
-            i = start + jnp.arange(b_chunk, dtype=jnp.int32)
-            yield i, i < B
+    # Round trip 1: the top-k row and, on the long path, the LRU order (independent loads).
+    k = jnp.arange(k_block, dtype=jnp.int32)  # i32[Kb]
+    k_in = k < K
+    pos = common.gather(topk_ref, (r, common.safe_index(k, k_in, K)), k_in, -1)  # i32[Kb]
+    want = (pos >= 0) & (pos != newest)  # bool[Kb]: every selected position but the newest
+    newest_selected = jnp.max(((pos >= 0) & (pos == newest)).astype(jnp.int32))
+    i = jnp.arange(b_block, dtype=jnp.int32)  # i32[Bb]: index in the LRU order
+    walk = (i < B) & long
+    slot = lru_at(i, walk, 0)  # i32[Bb]: slots, least recently used first
 
-    # Phase 1: mark the first occurrence of every position needing a slot. Plain stores leave one
-    # arbitrary writer per position; repeating "store k where k is smaller" until no lane is
-    # smaller leaves the minimum (no repeat pass unless the top-k repeats a position). JAX 0.11's
-    # Triton lowering mis-lowers a vector integer atomic_min (as a float min), so no atomics.
-    for k, _, pos, want in topk_chunks:
-        scratch_set(pos, k, want)
+    # Round trip 2: mark the selection; meanwhile fetch the token of every slot.
+    scratch_set(pos, k, want)
+    token = common.gather(buffer_tokens_ref, (layer, r, common.safe_index(slot, walk, B)), walk, -1)  # i32[Bb]
     common.barrier(interpret)
 
-    def survey():
-        """(a smaller index lost a store somewhere, distinct positions marked)."""
-        lost, distinct = jnp.int32(0), jnp.int32(0)
-        for k, _, pos, want in topk_chunks:
-            marked = scratch_at(pos, want, -1)
-            lost = jnp.maximum(lost, jnp.max((want & (k < marked)).astype(jnp.int32)))
-            distinct += jnp.sum((want & (marked == k)).astype(jnp.int32))
-        return lost > 0, distinct
-
-    def store_smaller(_):
-        for k, _, pos, want in topk_chunks:
-            scratch_set(pos, k, want & (k < scratch_at(pos, want, -1)))
-        common.barrier(interpret)
-        return survey()
-
-    # The loop condition is carried, not read from refs: the interpreter evaluates a while
-    # condition on the refs as they were when the loop started.
-    _, num_distinct = jax.lax.while_loop(lambda carry: carry[0], store_smaller, survey())
-    has_repeats = num_distinct < num_wanted
-    common.barrier(interpret)
+    # Round trip 3: a slot holding a marked position is a hit; first occurrences and repeats.
+    held = walk & (token >= 0)
+    hit = held & (scratch_at(token, held, SCRATCH_EMPTY) != SCRATCH_EMPTY)  # bool[Bb]
+    num_distinct, has_repeats = _mark_first_occurrences(scratch_at, scratch_set, k, pos, want, interpret)
+    common.barrier(interpret)  # every read of the marks is done before the hit marks replace some
 
     def write_plan_padding(num_misses):
-        for k, in_range, _, _ in topk_chunks:
-            past_end = in_range & (k >= num_misses)
-            safe_k = common.safe_index(k, past_end, K)
-            common.scatter(miss_host_ref, (r, safe_k), jnp.full_like(k, -1), past_end)
-            common.scatter(miss_device_ref, (r, safe_k), jnp.full_like(k, -1), past_end)
+        past_end = k_in & (k >= num_misses)
+        safe_k = common.safe_index(k, past_end, K)
+        common.scatter(miss_host_ref, (r, safe_k), jnp.full_like(k, -1), past_end)
+        common.scatter(miss_device_ref, (r, safe_k), jnp.full_like(k, -1), past_end)
 
-    @pl.when(n <= B)
+    @pl.when(~long)
     def _fast_path():
-        for k, in_range, pos, _ in topk_chunks:
-            common.scatter(slots_ref, (r, common.safe_index(k, in_range, K)), pos, in_range)
+        common.scatter(slots_ref, (r, common.safe_index(k, k_in, K)), pos, k_in)
         write_plan_padding(0)
-        counts_ref[r, 0] = num_distinct + newest_selected
-        counts_ref[r, 1] = jnp.int32(0)
+        hits_ref[r] = num_distinct + newest_selected
+        misses_ref[r] = jnp.int32(0)
 
-    @pl.when(n > B)
+    @pl.when(long)
     def _long_path():
-        # Phase 2: walk the LRU order, split hits from eviction candidates.
-        num_hit = jnp.int32(0)
-        num_nonhit = jnp.int32(0)
-        for i, in_range in slot_chunks():
-            slot = common.gather(lru_ref, (layer, r, common.safe_index(i, in_range, B)), in_range, 0)
-            token = common.gather(buffer_tokens_ref, (layer, r, common.safe_index(slot, in_range, B)), in_range, -1)
-            held = token >= 0
-            hit = held & (scratch_at(token, held, SCRATCH_EMPTY) != SCRATCH_EMPTY)
-            nonhit = in_range & ~hit
-            hit_rank = num_hit + jnp.cumsum(hit.astype(jnp.int32)) - 1
-            nonhit_rank = num_nonhit + jnp.cumsum(nonhit.astype(jnp.int32)) - 1
-            common.scatter(order_ref, (r, common.safe_index(nonhit_rank, nonhit, B)), slot, nonhit)
-            common.scatter(order_ref, (r, common.safe_index(B - 1 - hit_rank, hit, B)), slot, hit)
-            scratch_set(token, -2 - slot, hit)
-            num_hit += jnp.sum(hit.astype(jnp.int32))
-            num_nonhit += jnp.sum(nonhit.astype(jnp.int32))
+        # Each hit slot holds one distinct selected position (buffer_tokens has no repeats), so
+        # the misses are known before any top-k entry learns whether it hit.
+        # Round trip 4: the hit slot of every hit position (first: the tokens are then dead), and
+        # the new LRU order.
+        scratch_set(token, -2 - slot, hit)
+        num_misses = num_distinct - jnp.sum(hit.astype(jnp.int32))
+        new_index, num_nonhit = _new_lru_index(hit, walk, i, B, num_misses)
+        common.scatter(lru_ref, (layer, r, common.safe_index(new_index, walk, B)), slot, walk)
         common.barrier(interpret)
 
-        # Phase 3: first occurrences not hit are misses; the i-th takes order[i]. Every entry
-        # but a repeat of a miss learns its slot here.
-        num_misses = jnp.int32(0)
-        unresolved = []  # per chunk: repeats of a miss, resolved below through the scratch
-        for k, in_range, pos, want in topk_chunks:
-            code = scratch_at(pos, want, -1)
-            miss = want & (code == k)
-            rank = num_misses + jnp.cumsum(miss.astype(jnp.int32)) - 1
-            victim = common.gather(order_ref, (r, common.safe_index(rank, miss, B)), miss, -1)
-            page = common.gather(page_table_ref, (r, common.safe_index(pos // page_size, miss, P)), miss, 0)
-            common.scatter(buffer_tokens_ref, (layer, r, common.safe_index(victim, miss, B)), pos, miss)
-            safe_rank = common.safe_index(rank, miss, K)
-            common.scatter(miss_host_ref, (r, safe_rank), page * page_size + pos % page_size, miss)
-            common.scatter(miss_device_ref, (r, safe_rank), victim, miss)
-            hit = want & (code <= -2)
-            slot = jnp.where(hit, -2 - code, jnp.where(miss, victim, jnp.where(pos >= 0, B, -1)))
-            known = in_range & (hit | miss | ~want)
-            common.scatter(slots_ref, (r, common.safe_index(k, known, K)), slot, known)
-            scratch_set(pos, -2 - victim, miss & has_repeats)
-            unresolved.append(in_range & ~known)
-            num_misses += jnp.sum(miss.astype(jnp.int32))
-        write_plan_padding(num_misses)
+        # Round trip 5: hit entries read their slot; first occurrences still reading k missed.
+        code = scratch_at(pos, want, -1)  # i32[Kb]
+        hit_entry = want & (code <= -2)
+        miss = want & (code == k)
+        miss_rank = jnp.cumsum(miss.astype(jnp.int32)) - 1  # i32[Kb]
 
-        # Phase 4: new LRU order, read straight out of `order` (which phase 3 only read).
-        untouched = B - num_hit - num_misses
-        for j, in_range in slot_chunks():
-            source = jnp.where(
-                j < untouched,
-                num_misses + j,  # untouched non-hits keep their order
-                jnp.where(j < B - num_hit, j - untouched, B - 1 - (j - (B - num_hit))),  # victims, hits
-            )
-            slot = common.gather(order_ref, (r, common.safe_index(source, in_range, B)), in_range, 0)
-            common.scatter(lru_ref, (layer, r, common.safe_index(j, in_range, B)), slot, in_range)
-        counts_ref[r, 0] = num_distinct - num_misses + newest_selected
-        counts_ref[r, 1] = num_misses
+        # Round trip 6: the i-th miss's victim (new LRU index num_nonhit - num_misses + i) and page.
+        victim = lru_at(num_nonhit - num_misses + miss_rank, miss, -1)  # i32[Kb]
+        page = common.gather(page_table_ref, (r, common.safe_index(pos // page_size, miss, P)), miss, 0)
+        common.scatter(buffer_tokens_ref, (layer, r, common.safe_index(victim, miss, B)), pos, miss)
+        safe_rank = common.safe_index(miss_rank, miss, K)
+        common.scatter(miss_host_ref, (r, safe_rank), page * page_size + pos % page_size, miss)
+        common.scatter(miss_device_ref, (r, safe_rank), victim, miss)
+        write_plan_padding(num_misses)
+        slot_of_entry = jnp.where(hit_entry, -2 - code, jnp.where(miss, victim, jnp.where(pos >= 0, B, -1)))
+        repeat = want & ~hit_entry & ~miss  # a later listing of a missed position
+        known = k_in & ~repeat
+        common.scatter(slots_ref, (r, common.safe_index(k, known, K)), slot_of_entry, known)
+        hits_ref[r] = num_distinct - num_misses + newest_selected
+        misses_ref[r] = num_misses
 
         @pl.when(has_repeats)
         def _resolve_repeated_misses():
+            scratch_set(pos, -2 - victim, miss)
             common.barrier(interpret)
-            for (k, _, pos, _), repeat in zip(topk_chunks, unresolved):
-                slot = -2 - scratch_at(pos, repeat, -1)
-                common.scatter(slots_ref, (r, common.safe_index(k, repeat, K)), slot, repeat)
+            slot_of_repeat = -2 - scratch_at(pos, repeat, -1)
+            common.scatter(slots_ref, (r, common.safe_index(k, repeat, K)), slot_of_repeat, repeat)
 
-    # Phase 5: leave the scratch row empty for the next call.
+    # Leave the scratch row empty for the next call (every mark is at a selected position).
     common.barrier(interpret)
-    for _, _, pos, want in topk_chunks:
-        scratch_set(pos, jnp.full_like(pos, SCRATCH_EMPTY), want)
+    scratch_set(pos, jnp.full_like(pos, SCRATCH_EMPTY), want)
 
 
 def swap_in_plan_pallas(
@@ -356,13 +357,13 @@ def swap_in_plan_pallas(
     page_table,  # i32[R, P]
     *,
     page_size: int,
-    k_chunk: int = 2048,
-    b_chunk: int = 4096,
-    num_warps: int = 8,
+    num_warps: int = 16,
 ):
     """The Pallas plan kernel for `layer`; updates buffer_tokens/lru_slots/scratch in place.
 
     Shapes as swap_in_plan (K <= B). Returns (plan, buffer_tokens, lru_slots, scratch).
+    num_warps 16: 85.9 us at batch 256 with no misses against 91.1 (8 warps) and 92.1 (4);
+    28.5 / 31.9 us at batch 1 / 64, as with 8 warps (bench_kernels.py --tune, H200, 2026-12-01).
     """
     _check_plan_inputs(
         buffer_tokens, lru_slots, topk, lengths, page_table, stacked=True, scratch=scratch, layer=layer
@@ -372,22 +373,22 @@ def swap_in_plan_pallas(
     kernel = functools.partial(
         _plan_kernel,
         page_size=page_size,
-        k_chunk=min(common.next_power_of_2(K), k_chunk),
-        b_chunk=min(common.next_power_of_2(B), b_chunk),
+        k_block=common.next_power_of_2(K),
+        b_block=common.next_power_of_2(B),
         interpret=common.interpret_mode(),
     )
     i32 = jnp.int32
     out_shape = (
         jax.ShapeDtypeStruct((R, K), i32),  # slots
-        jax.ShapeDtypeStruct((R, 2), i32),  # counts
+        jax.ShapeDtypeStruct((R,), i32),  # num_hits
+        jax.ShapeDtypeStruct((R,), i32),  # num_misses
         jax.ShapeDtypeStruct((R, K), i32),  # miss_host
         jax.ShapeDtypeStruct((R, K), i32),  # miss_device
-        jax.ShapeDtypeStruct((R, B), i32),  # order temporary
         jax.ShapeDtypeStruct(buffer_tokens.shape, i32),
         jax.ShapeDtypeStruct(lru_slots.shape, i32),
         jax.ShapeDtypeStruct(scratch.shape, i32),
     )
-    slots, counts, miss_host, miss_device, _, buffer_tokens, lru_slots, scratch = pl.pallas_call(
+    slots, hits, misses, miss_host, miss_device, buffer_tokens, lru_slots, scratch = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(R,),
@@ -406,7 +407,7 @@ def swap_in_plan_pallas(
         lru_slots,
         scratch,
     )
-    plan = SwapInPlan(slots, counts[:, 0], counts[:, 1], miss_host, miss_device)
+    plan = SwapInPlan(slots, hits, misses, miss_host, miss_device)
     return plan, buffer_tokens, lru_slots, scratch
 
 

@@ -22,7 +22,7 @@ Every reduction is an int32 sum/max over a lane or sublane axis: ops the Mosaic 
 Cost: O(B^2 + K*B) int32 element operations and VMEM per request. That is nothing for the tiny
 shapes the tests use and ~16 M elements (64 MiB) at B = 4096, more than a TensorCore's VMEM:
 production sizes would tile the [B, B] and [K, B] matrices in chunks of the 8 x 128 vreg grid
-(the loops the GPU kernel runs over k_chunk / b_chunk), or sort both lists and merge. That
+(the GPU kernel keeps them in registers), or sort both lists and merge. That
 tiling, and whether Mosaic accepts every op here, is unmeasured without a TPU (docs/tpu.md).
 """
 

@@ -234,6 +234,33 @@ def test_copy_moves_exactly_the_planned_rows(implementation):
     np.testing.assert_array_equal(out, expected)
 
 
+@pytest.mark.parametrize("rows, programs", [(4, None), (4, 1), (8, 3), (16, 64)])
+def test_copy_work_items_cover_every_miss(rows, programs):
+    """The fixed-grid copy (programs share (request, `rows` misses) items, any number each):
+    requests with no misses between others, a partial last item, a plan batch b < R (slots
+    0 .. b - 1 only) and more programs than items all copy exactly the reference's rows."""
+    rng = np.random.default_rng(rows * 100 + (programs or 0))
+    L, R, b, B, S, W, K = 2, 6, 5, 24, 200, 6, 20
+    pool = jnp.asarray(rng.standard_normal((L, S, W)), jnp.float32)
+    buffer = jnp.asarray(rng.standard_normal((L, R, B + 1, W)), jnp.float32)
+    num_misses = jnp.asarray([0, 20, 3, 0, 9][:b], jnp.int32)
+    miss_host = jnp.asarray(np.stack([rng.choice(S, K, replace=False) for _ in range(b)]), jnp.int32)
+    miss_device = jnp.asarray(np.stack([rng.choice(B + 1, K, replace=False) for _ in range(b)]), jnp.int32)
+    args = (pool, buffer, 1, miss_host, miss_device, num_misses)
+    expected = np.asarray(row_copy.copy_host_rows_to_buffer_reference(*args))
+    copy = functools.partial(row_copy.copy_host_rows_to_buffer_pallas, rows=rows, programs=programs)
+    got = jax.jit(copy, static_argnums=2)(*args)
+    np.testing.assert_array_equal(np.asarray(got), expected)
+    np.testing.assert_array_equal(np.asarray(got)[:, b:], np.asarray(buffer)[:, b:])  # slots past the batch untouched
+
+
+def test_copy_grid_is_fixed_and_never_exceeds_the_work():
+    """The copy's grid does not grow with the batch (the launch costs the same at any batch)."""
+    assert row_copy.copy_grid_size(256, 2048, 16, programs=528) == 528
+    assert row_copy.copy_grid_size(1, 2048, 16, programs=528) == 128  # one program per item at most
+    assert row_copy.copy_grid_size(3, 5, 16, programs=528) == 3
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_fp8_rows_copy_bit_exact(implementation):
     """Packed fp8 rows (uint32 words, width 164 = 128 + 32 + 4 for 512 + 64) move as opaque rows:
@@ -330,8 +357,8 @@ def copy_inputs(L=2, R=3, B=8, S=40, W=6, K=5):
         (dict(pool=jnp.zeros((3, 40, 6))), r"device_buffer layers \(2\) must equal pool layers \(L\) \(3\)"),
         (dict(miss_device=jnp.zeros((3, 4), jnp.int32)), r"miss_device shape \(\(3, 4\)\) must equal miss_host shape \(\(3, 5\)\)"),
         (
-            dict(miss_host=jnp.zeros((2, 5), jnp.int32), miss_device=jnp.zeros((2, 5), jnp.int32)),
-            r"miss_host batch \(2\) must equal device_buffer request slots \(R\) \(3\)",
+            dict(miss_host=jnp.zeros((4, 5), jnp.int32), miss_device=jnp.zeros((4, 5), jnp.int32)),
+            r"miss_host batch \(4\) must not exceed the device_buffer request slots \(R = 3\)",
         ),
         (dict(num_misses=jnp.zeros((4,), jnp.int32)), r"num_misses batch \(4\) must equal miss_host batch \(R\) \(3\)"),
         (dict(layer=2), r"layer \(2\) must be in \[0, num_layers \(2\)\)"),
