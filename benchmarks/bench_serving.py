@@ -71,8 +71,12 @@ flags.DEFINE_string("hisparse_config", '{"top_k": 2048, "device_buffer_size": 40
 flags.DEFINE_enum("kv_cache_dtype", "auto", list(KV_CACHE_DTYPE_NAMES), "As SGLang's --kv-cache-dtype (auto: bf16, the model's).")
 flags.DEFINE_float("kv_budget_gb_per_layer", None, "Device KV budget per layer (default: KV_BUDGET_NOTE; smoke: 0.00025).")
 flags.DEFINE_float("synthetic_topk_overlap", 0.9, "Overlap of the SYNTHETIC selection phase (negative: skip it).")
-flags.DEFINE_list("phases", ["model", "synthetic", "equal_slots"], "What to run, in this order after the headline.")
+flags.DEFINE_list("phases", ["model", "synthetic", "equal_slots", "arrivals"], "What to run, in this order after the headline.")
 flags.DEFINE_float("time_budget_s", 180.0, "Skip a phase that would end past this many seconds from the start.")
+flags.DEFINE_integer("arrivals_prompt", 4096, "Phase arrivals: prompt tokens (prefilled by the model).")
+flags.DEFINE_integer("arrivals_new_tokens", 24, "Phase arrivals: shortest output (others up to 3 x slots more).")
+flags.DEFINE_integer("arrivals_slots", 8, "Phase arrivals: request slots (3 x as many requests pass through).")
+flags.DEFINE_float("arrivals_reserve_s", 90.0, "Phase arrivals runs only if this much of --time_budget_s is left.")
 flags.DEFINE_bool("smoke", False, "Tiny model and context, to try the script on a CPU.")
 flags.DEFINE_string("replot", None, "Only redraw the plots of this bench_serving.json into --output_dir (no JAX work).")
 
@@ -203,8 +207,9 @@ class Engines:
     """The benchmark's engines, created on first use and kept (both modes fit the GPU at once),
     each warmed once per selection (one decode compile each)."""
 
-    def __init__(self, setup: Setup):
+    def __init__(self, setup: Setup, concurrency: list[int]):
         self.setup = setup
+        self.concurrency = concurrency  # the points' max concurrencies: each engine's batch buckets
         self.prompt = np.zeros(setup.prompt_len, np.int32)
         self._engines: dict[tuple[str, int], Engine] = {}
         self._warm: set[tuple[str, int, float | None]] = set()
@@ -219,7 +224,10 @@ class Engines:
                 setup.runner,
                 EngineConfig(max_running_requests=slots, context_length=setup.context,
                              hisparse=setup.hisparse if mode == "hisparse" else None, kv_budget_bytes=setup.budget,
-                             page_size=64, synthetic_context=True, seed=0),
+                             page_size=64, synthetic_context=True, seed=0,
+                             # the buckets the points run (min(c, slots) requests each), not every
+                             # power of two: each is a decode compile
+                             batch_buckets=tuple(min(c, slots) for c in self.concurrency)),
             )  # fmt: skip
             if engine.capacity(setup.context) < slots:  # e.g. a host pool too small for `slots` contexts
                 log(f"  warning: only {engine.capacity(setup.context)} of {slots} contexts fit at once")
@@ -295,6 +303,54 @@ def ratios() -> list[dict]:
     return out
 
 
+def step_cost_fit() -> list[dict]:
+    """Per (phase, mode): a step's time ~ F + n x c over the points' (running n, mean ITL), by
+    least squares; F is what a step costs whatever runs, c what each running request adds."""
+    out = []
+    for phase in sorted({p["phase"] for p in RESULTS["points"]}):
+        for mode in ("hisparse", "baseline"):
+            seen = {p["running"]: p["itl_ms"]["mean"] for p in RESULTS["points"] if p["phase"] == phase and p["mode"] == mode}
+            if len(seen) < 2:
+                continue
+            n = np.array(sorted(seen), np.float64)
+            c, F = np.polyfit(n, np.array([seen[k] for k in sorted(seen)]), 1)
+            out.append(dict(phase=phase, mode=mode, F_ms=float(F), c_ms=float(c), running=[int(k) for k in n]))
+    return out
+
+
+def arrivals_phase(setup: Setup) -> None:
+    """ITL under arrivals: real prompts (prefilled by the model, not synthetic) reach a HiSparse
+    engine while others decode; each finished request lets the next one in. Run once with whole
+    prefills (prompt-long stalls of every running request) and once with a per-step prefill
+    budget (one layer of a prompt per step), same requests, same engine."""
+    prompt_len, new_tokens, slots = FLAGS.arrivals_prompt, FLAGS.arrivals_new_tokens, FLAGS.arrivals_slots
+    if FLAGS.smoke:
+        prompt_len, new_tokens, slots = 48, 4, 2
+    total = 3 * slots
+    rng = np.random.default_rng(1)
+    vocab = setup.runner.config.vocab_size
+    # Staggered lengths so requests finish, and new ones arrive, at different steps.
+    requests = [Request(i, rng.integers(0, vocab, prompt_len).astype(np.int32), new_tokens + 3 * (i % slots)) for i in range(total)]
+    engine = Engine(setup.runner, EngineConfig(
+        max_running_requests=slots, context_length=prompt_len + new_tokens + 3 * slots, hisparse=setup.hisparse,
+        page_size=64, batch_buckets=False, seed=0,
+    ))  # fmt: skip
+    t = time.perf_counter()
+    engine.warmup(requests[:1])
+    log(f"arrivals: engine ready in {time.perf_counter() - t:.1f}s ({slots} slots, {prompt_len}-token prompts)")
+    for budget in (None, prompt_len):
+        engine.config = dataclasses.replace(engine.config, prefill_token_budget=budget)
+        result = engine.run(requests, max_concurrency=slots)
+        itl = result.summary["itl_ms"]
+        RESULTS.setdefault("arrivals", []).append(dict(
+            prefill_token_budget=budget, prompt_len=prompt_len, slots=slots, requests=total, selection="model",
+            contexts="prefilled by the model (random weights)", itl_ms=itl, ttft_ms=result.summary.get("ttft_ms"),
+            output_throughput=result.summary.get("output_throughput"),
+        ))  # fmt: skip
+        log(f"  arrivals prefill_token_budget={budget}: ITL mean {itl['mean']:.2f} ms p99 {itl['p99']:.2f} ms")
+        save()
+
+
 def main(_):
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     if FLAGS.replot:  # e.g. on a machine with matplotlib, from a GPU run's JSON
@@ -321,15 +377,17 @@ def main(_):
     overlap = FLAGS.synthetic_topk_overlap if FLAGS.synthetic_topk_overlap >= 0 else None
     modes = (("hisparse", cap_h), ("baseline", cap_b))
     plan = []  # (phase, mode, slots, overlap, concurrencies), most important first
+    # The headline first: SYNTHETIC selection at capacity and below it (c = 1, 4, ...) in the
+    # same engines, then the model's (random-weight) selection as the pessimistic bound.
+    if "synthetic" in FLAGS.phases and overlap is not None:
+        plan += [("synthetic", mode, cap, overlap, below(cap) + headline(cap)) for mode, cap in modes]
     if "model" in FLAGS.phases:
         plan += [("model", mode, cap, None, headline(cap)) for mode, cap in modes]
-    if "synthetic" in FLAGS.phases and overlap is not None:
-        plan += [("synthetic", mode, cap, overlap, headline(cap)) for mode, cap in modes]
     if "model" in FLAGS.phases:
         plan += [("model", mode, cap, None, below(cap)) for mode, cap in modes if below(cap)]
     if "equal_slots" in FLAGS.phases and cap_h > cap_b:
         plan.append(("equal_slots", "hisparse", cap_b, None, below(cap_b) + [cap_b]))
-    engines = Engines(setup)
+    engines = Engines(setup, concurrency)
     cost = {True: 0.0, False: 0.0}  # longest segment so far, with / without a compile
     for name, mode, slots, phase_overlap, points in plan:
         compiles = engines.needs_compile(mode, slots, phase_overlap)
@@ -349,7 +407,21 @@ def main(_):
         cost[compiles] = max(cost[compiles], time.perf_counter() - start)
         save()
         draw()
+    if "arrivals" in FLAGS.phases:
+        if time.perf_counter() - T0 + FLAGS.arrivals_reserve_s > FLAGS.time_budget_s:
+            log("skip arrivals: not enough of --time_budget_s left")
+            RESULTS["phases"].append(dict(name="arrivals", skipped=True))
+        else:
+            try:
+                arrivals_phase(setup)
+            except Exception as error:  # keep the other phases' results
+                RESULTS["errors"].append(dict(phase="arrivals", error=repr(error), trace=traceback.format_exc()[-3000:]))
+                log(f"arrivals failed: {error!r}")
     RESULTS["ratios"] = ratios()
+    RESULTS["step_cost_fit"] = step_cost_fit()
+    for fit in RESULTS["step_cost_fit"]:
+        log(f"step ~ F + n x c: {fit['phase']:9s} {fit['mode']:8s} F {fit['F_ms']:.2f} ms, c {fit['c_ms']:.3f} ms per request"
+            f" (from running {fit['running']})")
     for r in RESULTS["ratios"]:
         log(f"{r['phase']:11s} c={r['max_concurrency']:4d} running (hisparse, baseline) {r['running']}: hisparse / baseline = {r['ratio']:.2f}x")
     draw()

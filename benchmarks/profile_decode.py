@@ -50,6 +50,7 @@ PARSER.add_argument("--trace_steps", type=int, default=3, help="0: no profiler t
 PARSER.add_argument("--dump_hlo", action="store_true", help="dump + summarise the optimised decode HLO")
 PARSER.add_argument("--plan", default="hisparse:model,hisparse:synthetic,baseline:model,baseline:synthetic",
                     help="phases in order, mode:selection (mode: hisparse | baseline; selection: model | synthetic)")
+PARSER.add_argument("--kv_cache_dtype", default="auto", help="auto (bf16) | fp8_e4m3, as SGLang's --kv-cache-dtype")
 PARSER.add_argument("--time_budget_s", type=float, default=420.0, help="skip phases past this")
 ARGS = PARSER.parse_args()
 
@@ -357,17 +358,19 @@ def main():
     t = time.perf_counter()
     model = DSAForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))
     jax.block_until_ready(nnx.state(model))
-    runner = ModelRunner(model)
+    runner = ModelRunner(model, kv_cache_dtype=ARGS.kv_cache_dtype)
     log(f"model ({config.num_layers} layers, hidden {config.hidden_size}) built in {time.perf_counter() - t:.1f}s")
     RESULTS["setup"] = dict(layers=config.num_layers, hidden=config.hidden_size, heads=config.num_heads, top_k=config.index_topk,
                             context=context, slots=slots, baseline_slots=baseline_slots,
-                            hisparse=json.loads(hisparse.to_json()), contexts="SYNTHETIC", weights="random")  # fmt: skip
+                            hisparse=json.loads(hisparse.to_json()), contexts="SYNTHETIC", weights="random",
+                            kv_cache_dtype=ARGS.kv_cache_dtype)  # fmt: skip
     save()
 
     def make_engine(mode, n):
         return Engine(runner, EngineConfig(max_running_requests=n, context_length=context,
                                            hisparse=hisparse if mode == "hisparse" else None,
-                                           page_size=64, synthetic_context=True, seed=0))  # fmt: skip
+                                           page_size=64, synthetic_context=True, seed=0,
+                                           batch_buckets=False))  # fmt: skip  (every slot runs: one compile)
 
     plan = []  # (mode, slots, overlap or None)
     for item in ARGS.plan.split(","):

@@ -358,15 +358,17 @@ class ModelRunner:
         last prompt token). host_pages: i32[P] (HiSparse only), the pages its positions use.
 
         Each layer's rows go to the host pool (direct-to-host) as soon as that layer is computed."""
-        tokens = np.asarray(tokens, np.int32)
-        T = tokens.shape[0]
-        kv, keys, fns = self._begin(cache, request, T, host_pages)
-        for l, out in self._prefill_layers(tokens, cache.index_keys.dtype):
-            kv = fns["store"](kv, jnp.int32(l), jnp.int32(request), jnp.int32(0), out.rows, jnp.int32(T))
-            if out.index_keys is not None:
-                j = self.config.indexer_cache_index(l)
-                keys = fns["store_keys"](keys, jnp.int32(j), jnp.int32(request), out.index_keys, out.index_key_scales, jnp.int32(T))
-        return DecodeCache(kv, *keys), self._last_logits(out, T)
+        job = self.start_prefill(cache, request, tokens, host_pages=host_pages)
+        cache = job.cache
+        while not job.done:
+            cache = job.advance(cache)
+        return cache, job.logits
+
+    def start_prefill(self, cache: DecodeCache, request: int, tokens, *, host_pages=None) -> "PrefillJob":
+        """A prefill of prompt tokens i32[T] into slot `request` that runs one layer per
+        PrefillJob.advance, so a serving engine can interleave it with decode steps. The slot is
+        claimed now (job.cache holds it); it must stay out of decode steps until job.done."""
+        return PrefillJob(self, cache, request, tokens, host_pages)
 
     def prefill_kv(self, tokens) -> "PrefilledKV":
         """A prefill instance's work (PD disaggregation): the prompt's KV rows and indexer keys of
@@ -424,6 +426,54 @@ class ModelRunner:
             self._put(positions, jnp.int32, per_request=True),
             topk,
         )
+
+
+class PrefillJob:
+    """One prompt's layer-by-layer prefill, resumable between decode steps.
+
+    Each advance() computes one layer over the whole prompt (query-chunked) and stores its KV
+    rows straight into the host pool (HiSparse) or the device KV, and its indexer keys; the
+    hidden state between layers stays on the device. `slot` may change between advances (the
+    engine's compaction moves the request; its stored rows and keys move with it). After the
+    last layer, `logits` (f32[V], the last prompt token's) picks the first new token.
+    """
+
+    def __init__(self, runner: ModelRunner, cache: DecodeCache, slot: int, tokens, host_pages):
+        self.runner, self.slot = runner, slot
+        self.tokens = np.asarray(tokens, np.int32)  # i32[T]
+        self.prompt_len = T = self.tokens.shape[0]
+        kv, keys, self._fns = runner._begin(cache, slot, T, host_pages)
+        self.cache = DecodeCache(kv, *keys)  # the cache with the slot claimed; thread it on
+        self.padded_len = padded_prompt_length(T, runner.prefill_chunk)[0]  # tokens each layer computes
+        self.layers_done = 0
+        self.logits = None
+        self._layers = runner._prefill_layers(self.tokens, cache.index_keys.dtype)
+
+    @property
+    def num_layers(self) -> int:
+        return self.runner.config.num_layers
+
+    @property
+    def done(self) -> bool:
+        return self.layers_done == self.num_layers
+
+    def advance(self, cache: DecodeCache) -> DecodeCache:
+        """Computes and stores the next layer -> the cache (donated: pass the latest one)."""
+        if self.done:
+            raise RuntimeError("this prefill is done")
+        l, out = next(self._layers)
+        fns, slot, T = self._fns, jnp.int32(self.slot), jnp.int32(self.prompt_len)
+        kv = fns["store"](cache.kv, jnp.int32(l), slot, jnp.int32(0), out.rows, T)
+        keys = (cache.index_keys, cache.index_key_scales)
+        if out.index_keys is not None:
+            j = self.runner.config.indexer_cache_index(l)
+            keys = fns["store_keys"](keys, jnp.int32(j), slot, out.index_keys, out.index_key_scales, T)
+        self.layers_done += 1
+        if self.done:
+            self.logits = self.runner._last_logits(out, self.prompt_len)
+            self._layers.close()
+        self.cache = None  # only the latest cache is valid: the caller threads it
+        return DecodeCache(kv, *keys)
 
 
 # ---- greedy generation ----------------------------------------------------------------------------

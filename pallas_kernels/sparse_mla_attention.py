@@ -100,12 +100,12 @@ def _attention_kernel(
     query_ref,  # [R, H, W]
     slots_ref,  # i32[R, K]
     kv_ref,  # row[L, R, S, W]
-    out_ref,  # f32[R, H, D]
-    *,
+    *out_refs,  # f32[R, H, D]; split-K: f32[N, R, H, D] partial sums, f32[N, R, H] maxima and totals
     latent_dim: int,
     sm_scale: float,
     block_h: int,
     block_k: int,
+    num_splits: int,
     interpret: bool,
 ):
     r, head_block = pl.program_id(0), pl.program_id(1)
@@ -158,12 +158,49 @@ def _attention_kernel(
         jnp.zeros((block_h,), jnp.float32),
         [jnp.zeros((block_h, s), jnp.float32) for _, s in value_pieces],
     )
-    _, total, accs = jax.lax.fori_loop(0, pl.cdiv(K, block_k), body, init)
-    scale = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+    running_max, total, accs = jax.lax.fori_loop(*_key_block_range(K, block_k, num_splits), body, init)
+    _store(out_refs, r, safe_heads, head_ok, value_pieces, accs, running_max, total, num_splits, interpret)
+
+
+def _key_block_range(K: int, block_k: int, num_splits: int):
+    """(first, end) key blocks of this program: all of them, or its split's share (program axis 2)."""
+    steps = pl.cdiv(K, block_k)
+    if num_splits == 1:
+        return 0, steps
+    per_split = pl.cdiv(steps, num_splits)
+    first = pl.program_id(2) * per_split
+    return first, jnp.minimum(first + per_split, steps)
+
+
+def _store(out_refs, r, safe_heads, head_ok, value_pieces, accs, running_max, total, num_splits, interpret):
+    """The program's result: normalised rows of out[r], or (split-K) its unnormalised partial sums,
+    running maxima and totals for combine_splits. accs: f32[block_h, s] per value piece."""
+    block_h = head_ok.shape[0]
+    if num_splits == 1:
+        (out_ref,) = out_refs
+        scale = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+        leading = (r,)
+    else:
+        out_ref, max_ref, total_ref = out_refs
+        scale = jnp.ones_like(total)
+        leading = (pl.program_id(2), r)
+        common.scatter(max_ref, (*leading, safe_heads), running_max, head_ok)
+        common.scatter(total_ref, (*leading, safe_heads), total, head_ok)
     for (o, s), acc in zip(value_pieces, accs):
         common.scatter(
-            out_ref, common.row_block((r,), safe_heads, o, s, interpret), acc * scale[:, None], jnp.broadcast_to(head_ok[:, None], (block_h, s))
+            out_ref, common.row_block(leading, safe_heads, o, s, interpret), acc * scale[:, None], jnp.broadcast_to(head_ok[:, None], (block_h, s))
         )
+
+
+def combine_splits(partial, maxima, totals):
+    """Split-K partial results -> f32[R, H, D]: partial f32[N, R, H, D] (unnormalised sums of each
+    split's keys), maxima, totals f32[N, R, H] (its running max and softmax total). Rescales
+    every split to the overall max, as flash-decoding does; zero where no key was valid."""
+    top = jnp.max(maxima, axis=0)  # f32[R, H]
+    weight = jnp.exp(maxima - top[None])  # f32[N, R, H]: 0 for a split that saw no valid key
+    total = jnp.sum(weight * totals, axis=0)  # f32[R, H]
+    out = jnp.sum(weight[..., None] * partial, axis=0)  # f32[R, H, D]
+    return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
 def _interleave4(p0, p1, p2, p3):
@@ -178,8 +215,7 @@ def _fp8_attention_kernel(
     query_ref,  # [R, H, D + rope]
     slots_ref,  # i32[R, K]
     kv_ref,  # u32[L, R, S, W]: packed fp8 rows
-    out_ref,  # f32[R, H, D]
-    *,
+    *out_refs,  # as _attention_kernel's
     latent_dim: int,
     group_size: int,
     rope_dim: int,
@@ -187,6 +223,7 @@ def _fp8_attention_kernel(
     block_h: int,
     block_k: int,
     compute_dtype,
+    num_splits: int,
     interpret: bool,
 ):
     r, head_block = pl.program_id(0), pl.program_id(1)
@@ -255,10 +292,8 @@ def _fp8_attention_kernel(
         jnp.zeros((block_h,), jnp.float32),
         jnp.zeros((block_h, D), jnp.float32),
     )
-    _, total, acc = jax.lax.fori_loop(0, pl.cdiv(K, block_k), body, init)
-    norm = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
-    block = common.row_block((r,), safe_heads, 0, D, interpret)
-    common.scatter(out_ref, block, acc * norm[:, None], jnp.broadcast_to(head_ok[:, None], (block_h, D)))
+    running_max, total, acc = jax.lax.fori_loop(*_key_block_range(K, block_k, num_splits), body, init)
+    _store(out_refs, r, safe_heads, head_ok, [(0, D)], [acc], running_max, total, num_splits, interpret)
 
 
 def _check_fp8_kernel_sizes(layout) -> None:
@@ -292,11 +327,14 @@ FP8_LAUNCH = dict(block_h=64, block_k=32, num_warps=8, num_stages=2)
 
 
 def sparse_mla_attention_pallas(
-    query, kv, layer, slots, *, latent_dim, sm_scale, layout=None, block_h=None, block_k=None, num_warps=None, num_stages=None
+    query, kv, layer, slots, *, latent_dim, sm_scale, layout=None, block_h=None, block_k=None, num_warps=None, num_stages=None,
+    num_splits=None,
 ):
     """The Pallas kernel: shapes as sparse_mla_attention_reference; the launch shape defaults
-    to default_launch_shape(R, H). One program per (request, head block). fp8 rows (layout)
-    are dequantised in the kernel; its matmuls run in the query's dtype (bf16, or f32 at full
+    to default_launch_shape(R, H). One program per (request, head block), or with num_splits
+    N > 1 (flash-decoding's split-K; default default_num_splits) per (request, head block, N-th
+    of the keys), whose partial results combine_splits merges. fp8 rows (layout) are
+    dequantised in the kernel; its matmuls run in the query's dtype (bf16, or f32 at full
     precision for an f32 query), as plain rows' run in the row dtype."""
     _check_inputs(query, kv, layer, slots, latent_dim, layout)
     R, H, _ = query.shape
@@ -308,6 +346,8 @@ def sparse_mla_attention_pallas(
     # Triton dots need every dimension >= 16: pad the head block and mask the extra heads.
     block_h = max(16, min(block_h, common.next_power_of_2(H)))
     block_k = max(16, min(block_k, common.next_power_of_2(slots.shape[1])))
+    if num_splits is None:
+        num_splits = default_num_splits(R * pl.cdiv(H, block_h), pl.cdiv(slots.shape[1], block_k))
     if _quantized(layout):
         _check_fp8_kernel_sizes(layout)
         compute_dtype = jnp.float32 if jnp.dtype(query.dtype) == jnp.float32 else jnp.bfloat16
@@ -320,6 +360,7 @@ def sparse_mla_attention_pallas(
             block_h=block_h,
             block_k=block_k,
             compute_dtype=compute_dtype,
+            num_splits=num_splits,
             interpret=common.interpret_mode(),
         )
     else:
@@ -329,18 +370,39 @@ def sparse_mla_attention_pallas(
             sm_scale=float(sm_scale),
             block_h=block_h,
             block_k=block_k,
+            num_splits=num_splits,
             interpret=common.interpret_mode(),
         )
-    return pl.pallas_call(
+    f32 = jnp.float32
+    out_shape = [jax.ShapeDtypeStruct((R, H, latent_dim), f32)]
+    if num_splits > 1:
+        out_shape = [jax.ShapeDtypeStruct((num_splits, R, H, latent_dim), f32)] + [jax.ShapeDtypeStruct((num_splits, R, H), f32)] * 2
+    grid = (R, pl.cdiv(H, block_h)) + ((num_splits,) if num_splits > 1 else ())
+    out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((R, H, latent_dim), jnp.float32),
-        grid=(R, pl.cdiv(H, block_h)),
+        out_shape=out_shape,
+        grid=grid,
         in_specs=[common.any_spec()] * 4,
-        out_specs=common.any_spec(),
+        out_specs=[common.any_spec()] * len(out_shape),
         compiler_params=common.triton_params(num_warps=num_warps, num_stages=num_stages),
         interpret=common.interpret_mode(),
         name="hisparse_sparse_mla_attention",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), query, slots, kv)
+    return out[0] if num_splits == 1 else combine_splits(*out)
+
+
+# About two waves of programs on the H200's 132 SMs: below that, split the keys.
+TARGET_PROGRAMS = 264
+MAX_SPLITS = 16
+
+
+def default_num_splits(programs: int, key_blocks: int) -> int:
+    """Key splits for `programs` (request, head block) programs over `key_blocks` blocks of keys:
+    1 once the grid fills the GPU, else enough for ~TARGET_PROGRAMS programs (at most MAX_SPLITS,
+    at least 2 key blocks per split)."""
+    if programs >= TARGET_PROGRAMS // 2:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // programs), key_blocks // 2))
 
 
 def sparse_mla_attention(query, kv, layer, slots, *, latent_dim, sm_scale, layout=None, implementation=None, **tuning):

@@ -18,7 +18,7 @@ from hisparse_jax.attention_layer import LayerStepInfo, attention_layer, jit_att
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.row_layout import KVRowLayout
 from hisparse_jax.state import FullKVState, HiSparseState, jit_donating_state
-from pallas_kernels.sparse_mla_attention import sparse_mla_attention
+from pallas_kernels.sparse_mla_attention import default_num_splits, sparse_mla_attention
 from pallas_kernels.swap_in import SwapInPlan
 
 L, R, H, LATENT, ROPE = 2, 3, 4, 32, 16
@@ -524,3 +524,34 @@ def test_a_batch_smaller_than_the_slots_steps_the_first_slots(implementation):
     np.testing.assert_array_equal(after.seq_lens, [40 + steps, 9 + steps, 30])
     for name in ("device_buffer", "buffer_tokens", "lru_slots", "seq_lens"):
         np.testing.assert_array_equal(getattr(after, name), np.asarray(getattr(states[3], name)), err_msg=name)
+
+
+@pytest.mark.parametrize("layout_kind", ["float32", "fp8_e4m3"])
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_split_k_attention_equals_the_reference(layout_kind, num_splits):
+    """Flash-decoding's split-K: each program attends over its share of the key blocks and
+    combine_splits merges them. 3 splits of 3 key blocks leave none empty, 2 splits an uneven
+    share; request 2 selects nothing (zeros), request 1 has valid keys in one split only."""
+    rng = np.random.default_rng(3)
+    S, k = 24, 3 * 16  # 3 key blocks of 16 (the smallest block the kernel takes)
+    values = rng.standard_normal((L, R, S, W)).astype(np.float32)
+    layout = KVRowLayout(LATENT, ROPE, layout_kind)
+    kv = layout.pack(jnp.asarray(values[..., :LATENT]), jnp.asarray(values[..., LATENT:]))
+    slots = rng.integers(0, 16, (R, k)).astype(np.int32)
+    slots[1, 16:] = -1
+    slots[2] = -1
+    kv = kv.at[:, :, 16:].set(layout.fill_element(float("nan")))  # never selected
+    query = jnp.asarray(rng.standard_normal((R, H, W)), jnp.float32)
+    attend = dict(latent_dim=LATENT, sm_scale=SCALE, layout=layout)
+    ref = np.asarray(sparse_mla_attention(query, kv, 1, jnp.asarray(slots), implementation="reference", **attend))
+    got = np.asarray(sparse_mla_attention(query, kv, 1, jnp.asarray(slots), implementation="pallas", block_k=16, num_splits=num_splits, **attend))
+    assert np.all(np.isfinite(got))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    np.testing.assert_array_equal(got[2], 0.0)
+
+
+def test_small_grids_split_the_keys():
+    assert default_num_splits(256, 32) == 1  # batch 128 x 2 head blocks: the grid fills the GPU
+    assert default_num_splits(2, 32) == 16  # one request, 2 head blocks: 16 splits of 2 key blocks
+    assert default_num_splits(32, 16) == 8  # batch 16 x 2 head blocks
+    assert default_num_splits(4, 3) == 1  # too few key blocks to share

@@ -22,7 +22,7 @@ from hisparse_jax.serving.scheduler import DeviceFootprint, Scheduler
 from hisparse_jax.serving.synthetic_selection import SyntheticSelector
 from hisparse_jax.serving.telemetry import RequestTrace, StepRecord, summarize
 from models.decoder import DSAForCausalLM
-from models.decoding import ModelRunner, generate
+from models.decoding import ModelRunner, PrefillJob, generate
 
 TINY = DSAModelConfig.tiny()  # top_k 16, 3 layers
 HISPARSE = HiSparseConfig(top_k=16, device_buffer_size=20, host_to_device_ratio=8)
@@ -232,7 +232,8 @@ def test_a_failed_run_gives_everything_back(runner, workload, alone, hisparse, f
         with pytest.raises(RuntimeError, match="injected"):
             engine.run(workload)  # 8 requests through 3 slots: some running, some waiting
     elif failure == "prefill":
-        monkeypatch.setattr(runner, "prefill", fail_on_third(runner.prefill, before_real=False))
+        # Mid-prompt: the third prefill layer fails after the cache was donated to it.
+        monkeypatch.setattr(PrefillJob, "advance", fail_on_third(PrefillJob.advance, before_real=False))
         with pytest.raises(RuntimeError, match="injected"):
             engine.run(workload)
     else:
@@ -362,3 +363,29 @@ def test_summary_arithmetic():
     assert summary["itl_ms"]["mean"] == pytest.approx((500 + 1000 + 250) / 3)
     assert summary["itl_ms"]["p50"] == pytest.approx(500.0)
     assert summary["miss_rate"] == 15 / 60 and summary["h2d_bytes"] == 15 * 96
+
+
+def decode_steps_while_prefilling(result):
+    """Per request admitted while others decoded: decode steps between its admission and its
+    first token (its prefill ran in between them)."""
+    counts = []
+    for trace in result.traces:
+        during = [s for s in result.steps if trace.admitted_s < s.time_s < trace.token_times_s[0]]
+        if any(s.time_s < trace.admitted_s for s in result.steps):  # others were decoding already
+            counts.append(len(during))
+    return counts
+
+
+def test_prefill_interleaves_with_decode_within_its_token_budget(runner, workload, alone):
+    # A budget below one layer of any prompt: one layer per engine step, so a prompt admitted
+    # while others decode takes 3 steps (3 layers) to its first token, and they keep decoding.
+    engine = Engine(runner, engine_config(HISPARSE, prefill_token_budget=1))
+    result = engine.run(workload)
+    for request in workload:
+        np.testing.assert_array_equal(result.tokens[request.id], alone[request.id], err_msg=f"request {request.id}")
+    counts = decode_steps_while_prefilling(result)
+    assert counts and min(counts) >= TINY.num_layers - 1, counts
+    assert_everything_free(engine)
+    # Without a budget a prompt is prefilled whole: no decode step between admission and first token.
+    whole = Engine(runner, engine_config(HISPARSE)).run(workload)
+    assert set(decode_steps_while_prefilling(whole)) == {0}

@@ -16,8 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_bench_serving_smoke_runs_every_phase(tmp_path):
     done = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_serving.py"), "--smoke", f"--output_dir={tmp_path}",
-         "--steps=3", "--warm_steps=1", "--concurrency=1,16"],
-        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300,
+         "--steps=3", "--warm_steps=1", "--concurrency=1,16", "--time_budget_s=1000"],
+        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     with open(tmp_path / "bench_serving.json") as f:
@@ -34,5 +34,9 @@ def test_bench_serving_smoke_runs_every_phase(tmp_path):
         if p["phase"] == "synthetic":
             assert p["selection"].startswith("SYNTHETIC") and p["measured_topk_overlap"] is not None
     assert {r["phase"] for r in results["ratios"]} == {"model", "synthetic", "equal_slots"}
+    fits = {(f["phase"], f["mode"]) for f in results["step_cost_fit"]}
+    assert ("model", "hisparse") in fits and ("model", "baseline") in fits
+    assert [a["prefill_token_budget"] for a in results["arrivals"]] == [None, 48]
+    assert all(a["itl_ms"]["p99"] > 0 for a in results["arrivals"])
     for name in ("throughput_model_selection", "misses_model_selection", "throughput_synthetic_selection"):
         assert (tmp_path / f"{name}.png").stat().st_size > 0

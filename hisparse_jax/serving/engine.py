@@ -6,9 +6,12 @@
 
 Each loop iteration: the client side sends requests while fewer than `max_concurrency` are in
 flight (SGLang bench_serving's semaphore); the scheduler admits what the pools hold
-(scheduler.py); each admitted request is prefilled alone, its KV written direct-to-host
-(ModelRunner.prefill), its first token sampled; then ONE decode step runs every slot at once
-(static shapes: R slots, inactive ones at position -1), greedy tokens come back to the host,
+(scheduler.py); admitted prompts are prefilled alone, layer by layer, their KV written
+direct-to-host (ModelRunner.start_prefill), within `prefill_token_budget` prompt-token-layers
+per iteration (None: whole), so a long prompt does not stall the running requests for all its
+layers at once; a prompt whose last layer is done samples its first token and decodes from the
+next step. Then ONE decode step runs every decoding request at once (static shapes: a batch
+bucket of slots, inactive ones at position -1, see below), greedy tokens come back to the host,
 and requests that reached max_new_tokens or EOS retire, giving back slot, host pages and device
 bytes.
 
@@ -52,7 +55,7 @@ from hisparse_jax.state import REQUEST_AXIS, state_shardings
 from hisparse_jax.serving.synthetic_fill import SyntheticFill
 from hisparse_jax.serving.synthetic_selection import SyntheticSelector
 from hisparse_jax.serving.telemetry import RequestTrace, StepRecord, summarize
-from models.decoding import DecodeCache, ModelRunner, padded_prompt_length
+from models.decoding import DecodeCache, ModelRunner, PrefillJob, padded_prompt_length
 
 
 class _NoBar:
@@ -98,7 +101,13 @@ class EngineConfig:
     synthetic_context: bool = False  # SYNTHETIC contexts (random KV) instead of prefill
     seed: int = 0  # synthetic selection / fill randomness
     fill_value: float = 0.0  # of KV rows nothing wrote (tests pass NaN so a stray read shows)
-    batch_buckets: bool = True  # decode only the bucket holding the running requests (False: all R slots)
+    # Decode only the bucket holding the running requests: True, batch_buckets(R); a tuple, these
+    # sizes (R is added: every step must fit one); False: every step runs all R slots.
+    batch_buckets: bool | tuple[int, ...] = True
+    # Prefill work per engine step, in prompt tokens x layers (one layer of a prompt padded to Tp
+    # tokens costs Tp); at least one layer runs per step. None: an admitted prompt is prefilled
+    # whole before the next decode step (running requests wait for it).
+    prefill_token_budget: int | None = None
 
     def __post_init__(self):
         _positive_int("max_running_requests", self.max_running_requests)
@@ -108,6 +117,11 @@ class EngineConfig:
             _positive_int("kv_budget_bytes", self.kv_budget_bytes)
         if self.num_host_pages is not None:
             _positive_int("num_host_pages", self.num_host_pages)
+        if not isinstance(self.batch_buckets, bool):
+            for size in self.batch_buckets:
+                _positive_int("batch_buckets size", size)
+        if self.prefill_token_budget is not None:
+            _positive_int("prefill_token_budget", self.prefill_token_budget)
         if self.synthetic_topk_overlap is not None and not 0.0 <= self.synthetic_topk_overlap <= 1.0:
             raise UsageError(f"synthetic_topk_overlap must be in [0, 1], got {self.synthetic_topk_overlap}")
 
@@ -169,7 +183,11 @@ class Engine:
         self.use_selection(config.synthetic_topk_overlap)
         # Data-parallel groups each own a block of slots, so one prefix of them is not a group's
         # share: with a mesh every step runs all R slots.
-        self.buckets = batch_buckets(R) if config.batch_buckets and groups == 1 else (R,)
+        self.buckets = (R,)
+        if groups == 1 and config.batch_buckets is True:
+            self.buckets = batch_buckets(R)
+        elif groups == 1 and config.batch_buckets:
+            self.buckets = tuple(sorted({b for b in config.batch_buckets if b < R} | {R}))
         self._fill = SyntheticFill(self.cache, implementation=runner.implementation, mesh=runner.mesh) if config.synthetic_context else None
         self._fill_key = jax.random.key(config.seed)
 
@@ -206,8 +224,9 @@ class Engine:
 
     # ---- one request --------------------------------------------------------------------------------
 
-    def _start(self, admission: Admission) -> int | None:
-        """Prefills (or synthetically fills) an admitted request -> its first token (None: synthetic)."""
+    def _start(self, admission: Admission) -> int | None | PrefillJob:
+        """Starts an admitted request: its first token when it is ready now (a PD transfer), None
+        for a synthetic context (no first token), or the PrefillJob that computes its prompt."""
         request, slot = admission.request, admission.slot
         pages = None
         if admission.host_pages is not None:
@@ -221,16 +240,32 @@ class Engine:
             key = jax.random.fold_in(self._fill_key, request.id)
             self.cache = self._fill(self.cache, slot, request.prompt_len, pages, key)
             return None
-        self.cache, logits = self.runner.prefill(self.cache, slot, request.prompt, host_pages=pages)
-        return int(self._argmax(logits))
+        job = self.runner.start_prefill(self.cache, slot, request.prompt, host_pages=pages)
+        self.cache = job.cache
+        return job
+
+    def _advance_prefills(self, prefilling: dict) -> list[tuple[Request, int, int]]:
+        """Runs prefill layers, oldest prompt first, within the step's prefill_token_budget ->
+        (request, slot, first token) of each prefill that finished."""
+        budget, spent, finished = self.config.prefill_token_budget, 0, []
+        for slot, (request, job) in list(prefilling.items()):
+            while not job.done and (budget is None or spent == 0 or spent + job.padded_len <= budget):
+                self.cache = job.advance(self.cache)
+                spent += job.padded_len
+            if not job.done:
+                break  # FCFS: later prompts wait for this one
+            del prefilling[slot]
+            finished.append((request, slot, int(self._argmax(job.logits))))
+        return finished
 
     def _bucket(self, num_running: int) -> int:
         """The smallest compiled batch size holding `num_running` requests (slots 0 .. n - 1)."""
         return next(b for b in self.buckets if b >= num_running)
 
-    def _compact(self, tokens: np.ndarray, positions: np.ndarray, slot_ids: np.ndarray) -> None:
+    def _compact(self, tokens: np.ndarray, positions: np.ndarray, slot_ids: np.ndarray, prefilling: dict) -> None:
         """Moves running requests from the highest slots into the holes below them, so they
-        occupy slots 0 .. n - 1; the loop's per-slot arrays (i32[R] each) move with them."""
+        occupy slots 0 .. n - 1; the loop's per-slot arrays (i32[R] each) and prefills in
+        progress (slot -> (request, PrefillJob)) move with them."""
         running = self.scheduler.running_slots()
         n = len(running)
         holes = sorted(set(range(n)) - set(running))
@@ -243,6 +278,9 @@ class Engine:
             for array in (tokens, positions, slot_ids):
                 array[target] = array[source]
             positions[source] = -1  # the source slot is inactive now
+            if source in prefilling:
+                prefilling[target] = prefilling.pop(source)
+                prefilling[target][1].slot = target
 
     def _retire(self, slot: int) -> None:
         self.cache = dataclasses.replace(self.cache, kv=self._end(self.cache.kv, jnp.int32(slot)))
@@ -293,7 +331,7 @@ class Engine:
         for request in requests:
             self.scheduler.check(request)
         if self.selector is not None:
-            self.selector.shared_entries = self.selector.compared_entries = 0
+            self.selector.reset_counts()
         limit = max_concurrency or (len(requests) if arrivals is None else self.config.max_running_requests)
         R = self.config.max_running_requests
         tokens = np.zeros(R, np.int32)  # i32[R]: next input token per slot
@@ -303,6 +341,7 @@ class Engine:
         traces: dict[int, RequestTrace] = {}
         steps: list[StepRecord] = []
         pending = collections.deque(requests)
+        prefilling: dict[int, tuple[Request, PrefillJob]] = {}  # slot -> prompt being prefilled, oldest first
         in_flight = 0
         prefill_bar = _bar(progress, total=len(requests) if arrivals is None else None, desc=f"{label} prefill".strip(), unit="req")
         decode_bar = _bar(
@@ -339,19 +378,29 @@ class Engine:
                     generated[request.id] = []
                     in_flight += 1
                 admitted = self.scheduler.admit()
+                ready = []  # (request, slot, first token or None) of requests that decode from the next step
                 for admission in admitted:
                     request, slot = admission.request, admission.slot
-                    first = self._start(admission)
+                    traces[request.id].admitted_s = time.perf_counter() - start
+                    started = self._start(admission)
                     slot_ids[slot] = request.id
+                    if isinstance(started, PrefillJob):
+                        prefilling[slot] = (request, started)
+                    else:
+                        ready.append((request, slot, started))
+                ready += self._advance_prefills(prefilling)
+                for request, slot, first in ready:
                     prefill_bar.update(1)
                     if first is None:  # synthetic context: no first token; the last prompt token stands in
                         tokens[slot], positions[slot] = request.prompt[-1], request.prompt_len
                     elif not emit(request, slot, first, time.perf_counter() - start):
                         tokens[slot], positions[slot] = first, request.prompt_len
                 if len(self.buckets) > 1:
-                    self._compact(tokens, positions, slot_ids)
+                    self._compact(tokens, positions, slot_ids, prefilling)
                 active = np.flatnonzero(positions >= 0)
                 if active.size == 0:
+                    if prefilling:
+                        continue  # prompts still prefilling: the next iteration advances them
                     if self.scheduler.waiting and not admitted:  # check() makes every request fit an idle engine
                         raise RuntimeError("admission stalled with nothing running")
                     continue  # what was admitted finished at prefill (max_new_tokens 1 or EOS): admit again

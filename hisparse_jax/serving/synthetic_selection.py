@@ -100,8 +100,22 @@ class SyntheticSelector:
         self._move = jax.jit(lambda previous, source, target: previous.at[:, target].set(previous[:, source]), donate_argnums=0)
         # previous i32[J, R, K] <- current i32[J, b, K] in slots 0 .. b - 1
         self._put = jax.jit(lambda previous, current: jax.lax.dynamic_update_slice(previous, current, (0, 0, 0)), donate_argnums=0)
-        self.shared_entries = 0  # sum over steps of |S_t & S_t-1| (full sets only)
-        self.compared_entries = 0  # sum over the same pairs of K
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        """Starts the measured overlap afresh (the engine does at each run)."""
+        # i32[] device counters: summed on the device so a step never waits for the host.
+        self._shared, self._compared = jnp.int32(0), jnp.int32(0)
+
+    @property
+    def shared_entries(self) -> int:
+        """Sum over steps of |S_t & S_t-1| (full sets only)."""
+        return int(self._shared)
+
+    @property
+    def compared_entries(self) -> int:
+        """Sum over the same pairs of K."""
+        return int(self._compared)
 
     def reset(self, slot: int) -> None:
         """A new request starts in `slot`: no previous selection."""
@@ -124,11 +138,11 @@ class SyntheticSelector:
         b = positions.shape[0]
         current, shared, compared = self._step(self._key, self.previous[:, :b], positions, request_ids)
         self.previous = self._put(self.previous, current)
-        self.shared_entries += int(shared)
-        self.compared_entries += int(compared)
+        self._shared, self._compared = self._shared + shared, self._compared + compared
         return current
 
     @property
     def measured_overlap(self) -> float | None:
         """Mean |S_t & S_t-1| / K over every full-to-full step so far; None before any."""
-        return self.shared_entries / self.compared_entries if self.compared_entries else None
+        compared = self.compared_entries
+        return self.shared_entries / compared if compared else None

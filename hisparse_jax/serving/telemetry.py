@@ -33,6 +33,7 @@ class RequestTrace:
     prompt_len: int
     submitted_s: float  # when the client sent it, from the start of the run
     token_times_s: list[float] = dataclasses.field(default_factory=list)  # each output token's time
+    admitted_s: float | None = None  # when it got a slot and its prefill began
 
     @property
     def ttft_s(self) -> float:
