@@ -70,6 +70,14 @@ _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per host page.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "outputs", "Where results.json and the plots go.")
 _IMPLEMENTATION = flags.DEFINE_string("implementation", None, "Kernels: reference or pallas (default: pallas on GPU, reference elsewhere).")
 _PROGRESS = flags.DEFINE_bool("progress", True, "Progress bars on prefill and decode.")
+_BATCH_BUCKETS = flags.DEFINE_bool(
+    "batch_buckets", False,
+    "Decode each step on the smallest compiled batch (1, 2, 4, ... slots) holding the running requests: faster at low"
+    " load; bf16 rounding then depends on the batch size, so HiSparse and baseline tokens may differ (off: exact).",
+)
+_PREFILL_TOKEN_BUDGET = flags.DEFINE_integer(
+    "prefill_token_budget", None, "Prefill work per decode step in prompt tokens x layers (None: each prompt whole)."
+)
 _TP_SIZE = flags.DEFINE_integer("tp_size", 1, "Tensor parallelism: devices the dense and MoE weights are split over.")
 _DP_SIZE = flags.DEFINE_integer("dp_size", 1, "Data-parallel groups: each owns its requests, buffers and host pool block.")
 _ENABLE_DP_ATTENTION = flags.DEFINE_bool(
@@ -156,7 +164,8 @@ def main(argv):
             device_buffer_sweep=validation.parse_int_list("--device_buffer_sweep", _DEVICE_BUFFER_SWEEP.value),
             synthetic_topk_overlap=_SYNTHETIC_TOPK_OVERLAP.value, eos_token_id=_EOS_TOKEN_ID.value,
             page_size=_PAGE_SIZE.value, output_dir=_OUTPUT_DIR.value, implementation=_IMPLEMENTATION.value,
-            progress=_PROGRESS.value, tp_size=_TP_SIZE.value, dp_size=_DP_SIZE.value,
+            progress=_PROGRESS.value, batch_buckets=_BATCH_BUCKETS.value, prefill_token_budget=_PREFILL_TOKEN_BUDGET.value,
+            tp_size=_TP_SIZE.value, dp_size=_DP_SIZE.value,
             enable_dp_attention=_ENABLE_DP_ATTENTION.value, disaggregation_mode=_DISAGGREGATION_MODE.value,
             disaggregation_address=_DISAGGREGATION_ADDRESS.value,
         )  # fmt: skip

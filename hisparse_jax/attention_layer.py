@@ -69,6 +69,27 @@ def _check_step_inputs(state: KVState, layer, query, new_row, positions, selecti
     layout.check_rows("new_row", new_row)
 
 
+def _attend(state: KVState, query, layer, plan: SwapInPlan, latent_dim, sm_scale, implementation):
+    """f32[R, H, D]: the sparse MLA attention over the plan's slots of state.device_rows."""
+    return sparse_mla_attention(
+        query, state.device_rows, layer, plan.slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=state.layout,
+        implementation=implementation,
+    )
+
+
+def _after_attention(state: KVState, out) -> KVState:
+    """Orders every later write of the device rows after this attention's read of them.
+
+    The next layers' copies write the device buffer in place (an aliased Pallas output). When
+    their inputs do not wait for this layer's output (a top-k given from outside, e.g. the
+    SYNTHETIC selection, or a shared-index layer's replayed plan), XLA may schedule such a write
+    before this read and then keeps the old buffer alive by copying all of it (the whole
+    [L, R, B + 1, W] buffer, ~1 GB at 88 slots of fp8 rows). Passing the rows through one
+    barrier with the output makes every later write wait for it."""
+    _, rows = jax.lax.optimization_barrier((out, state.device_rows))
+    return state.with_device_rows(rows)
+
+
 def attention_layer(
     state: KVState,
     layer,  # int or i32[]: which sparse layer
@@ -100,11 +121,8 @@ def attention_layer(
     state = state.write_newest(layer, new_row, positions)
     state, plan = state.swap_in(layer, topk, lengths_from_positions(positions), implementation=implementation)
     state = state.backup_newest(layer, new_row, positions, implementation=implementation)
-    out = sparse_mla_attention(
-        query, state.device_rows, layer, plan.slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=state.layout,
-        implementation=implementation,
-    )
-    return state, out, LayerStepInfo(plan.num_hits, plan.num_misses, plan if record_plan else None)
+    out = _attend(state, query, layer, plan, latent_dim, sm_scale, implementation)
+    return _after_attention(state, out), out, LayerStepInfo(plan.num_hits, plan.num_misses, plan if record_plan else None)
 
 
 def jit_attention_layer(state: KVState, *, latent_dim: int, sm_scale: float, implementation: str | None = None):
@@ -145,8 +163,5 @@ def shared_attention_layer(
     state = state.write_newest(layer, new_row, positions)
     state = state.replay_swap_in(layer, plan, implementation=implementation)
     state = state.backup_newest(layer, new_row, positions, implementation=implementation)
-    out = sparse_mla_attention(
-        query, state.device_rows, layer, plan.slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=state.layout,
-        implementation=implementation,
-    )
-    return state, out, LayerStepInfo(plan.num_hits, plan.num_misses, plan)
+    out = _attend(state, query, layer, plan, latent_dim, sm_scale, implementation)
+    return _after_attention(state, out), out, LayerStepInfo(plan.num_hits, plan.num_misses, plan)

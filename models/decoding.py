@@ -45,7 +45,7 @@ from hisparse_jax.state import FullKVState, HiSparseState, state_shardings
 from models import families, inputs, rope
 from models.decoder import DSAForCausalLM, DecoderLayer
 from models.loading import load_hf_checkpoint  # noqa: F401  (models.families' DSA loader, patched in tests)
-from models.indexer import dequantize_keys, index_key_dtype, index_scores, is_fp8, quantize_keys, select_topk
+from models.indexer import decode_topk, dequantize_keys, index_key_dtype, is_fp8, quantize_keys
 from models.parallel import shard_params
 
 DEFAULT_PREFILL_CHUNK = 128
@@ -73,8 +73,11 @@ class PrefilledKV(NamedTuple):
 
 
 class StepTelemetry(NamedTuple):
-    num_hits: jax.Array  # i32[L, R]: selected rows found on the device, per layer and request
-    num_misses: jax.Array  # i32[L, R]: rows copied host -> device (0 without HiSparse)
+    num_hits: jax.Array  # i32[L, b]: selected rows found on the device, per layer and request
+    num_misses: jax.Array  # i32[L, b]: rows copied host -> device (0 without HiSparse)
+    # i32[J, b]: positions each full indexer chose; with a top-k override (the SYNTHETIC
+    # selection) what the model's indexer would have attended to, computed at full cost
+    indexer_selected: jax.Array
 
 
 def create_cache(
@@ -156,24 +159,23 @@ def write_index_keys(index_keys, index_key_scales, j, requests, targets, keys, k
 # ---- decode ---------------------------------------------------------------------------------------
 
 
-def _decode_indexer(layer: DecoderLayer, x, q_resid, cos, sin, index_keys, key_scales, j, positions, topk=None):
+def _decode_indexer(layer: DecoderLayer, x, q_resid, cos, sin, index_keys, key_scales, j, positions, topk=None, implementation=None):
     """Writes the new indexer keys (quantised with fp8 keys), returns (index_keys, key_scales,
-    top-k i32[R, K]) over each request's context.
+    top-k i32[b, K], the indexer's own top-k i32[b, K]) over each request's context.
 
-    topk i32[R, K], when given, is returned instead of the indexer's own choice (the scoring is
-    skipped; the keys are still written)."""
+    topk i32[b, K], when given, is returned in place of the indexer's own choice. The indexer
+    still scores and selects (a step costs what a real one does; decode_step returns a count of
+    its choice so XLA keeps the work)."""
     indexer, config = layer.self_attn.indexer, layer.config
     b, C = positions.shape[0], index_keys.shape[2]  # a batch of b <= R slots: slots 0 .. b - 1
     keys = indexer.keys(x, cos, sin)  # [b, I]
     target = jnp.where(positions >= 0, positions, C)  # an inactive slot writes nothing
     index_keys, key_scales = write_index_keys(index_keys, key_scales, j, jnp.arange(b), target, keys)
-    if topk is not None:
-        return index_keys, key_scales, topk
     q, w = indexer.queries(x, q_resid, cos, sin)  # [b, G, I], f32[b, G]
-    scales = key_scales[j, :b] if is_fp8(index_keys.dtype) else None  # f32[b, C]
-    scores = jax.vmap(index_scores)(q[:, None], w[:, None], index_keys[j, :b], scales)[:, 0]  # f32[b, C]
-    allowed = jnp.arange(C)[None, :] <= positions[:, None]  # bool[b, C]; nothing for inactive slots
-    return index_keys, key_scales, select_topk(scores, allowed, config.index_topk)
+    # Scored over the key cache in place (slots 0 .. b - 1 of layer j), each slot up to its own
+    # position; on GPU a fused scoring kernel and a top-k kernel (models.indexer.decode_topk).
+    selected = decode_topk(q, w, index_keys, key_scales, j, positions, config.index_topk, implementation=implementation)
+    return index_keys, key_scales, selected if topk is None else topk, selected
 
 
 def decode_step(
@@ -194,7 +196,9 @@ def decode_step(
 
     topk None: each full layer's indexer selects. Given, it is what the layers attend to instead
     (the engine's labelled synthetic selection, hisparse_jax.serving.synthetic_selection); entries must
-    be distinct positions in [0, positions[r]], -1 padding.
+    be distinct positions in [0, positions[r]], -1 padding. The indexers still score and select
+    (telemetry.indexer_selected counts their choice), so a step with synthetic selection costs
+    what a real one does.
     """
     model: DSAForCausalLM = nnx.merge(graphdef, params)
     config = model.config
@@ -207,7 +211,10 @@ def decode_step(
     if mesh is not None:  # the Pallas kernels run per device, each group on its own requests
         attend_layer = functools.partial(dp_sharding.attention_layer, mesh)
         attend_shared = functools.partial(dp_sharding.shared_attention_layer, mesh)
-    anchor, hits, misses = None, [], []
+    # The indexer kernels run on whole arrays; over a mesh XLA's partitionable einsum and top-k
+    # keep each group's scoring on its own devices.
+    indexer_implementation = implementation if mesh is None else "reference"
+    anchor, hits, misses, indexer_selected = None, [], [], []
     for l, layer in enumerate(model.layers):
         x = layer.input_layernorm(h)
         q_resid, query = layer.self_attn.queries(x, cos, sin)  # [R, Q], [R, H, W]
@@ -215,9 +222,10 @@ def decode_step(
         if layer.self_attn.indexer is not None:
             j = config.indexer_cache_index(l)
             override = None if topk is None else topk[j]
-            index_keys, key_scales, selected = _decode_indexer(
-                layer, x, q_resid, cos, sin, index_keys, key_scales, j, positions, override
+            index_keys, key_scales, selected, indexer_choice = _decode_indexer(
+                layer, x, q_resid, cos, sin, index_keys, key_scales, j, positions, override, indexer_implementation
             )  # fmt: skip
+            indexer_selected.append(jnp.sum(indexer_choice >= 0, axis=1, dtype=jnp.int32))
             shared_next = l + 1 < config.num_layers and config.indexer_types[l + 1] == "shared"
             kv, out, anchor = attend_layer(kv, l, query, new_row, positions, selected, record_plan=shared_next, **attend)
             info = anchor
@@ -228,7 +236,7 @@ def decode_step(
         misses.append(info.num_misses)
     kv = advance(kv, positions >= 0)
     cache = DecodeCache(kv, index_keys, key_scales)
-    return cache, model.logits(h), StepTelemetry(jnp.stack(hits), jnp.stack(misses))
+    return cache, model.logits(h), StepTelemetry(jnp.stack(hits), jnp.stack(misses), jnp.stack(indexer_selected))
 
 
 # ---- prefill --------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from flax import nnx
 
 from configs.model import DSAModelConfig
 from models import rope
-from models.layers import LayerNorm, Linear, einsum
+from models.layers import LayerNorm, Linear
+from pallas_kernels import indexer_scores, topk
 
 
 class Indexer(nnx.Module):
@@ -107,33 +108,54 @@ def index_scores(q: jax.Array, weights: jax.Array, keys: jax.Array, key_scales: 
     fp8 keys come with key_scales f32[S] (quantize_keys): score = scale_s x (q . k8_s), exact
     since the scale is per key (a positive scale commutes with the relu, so it is applied after
     the head sum, on [T, S] rather than [T, G, S])."""
-    # q . k runs with its operands in their stored dtype (bf16 in a bf16 model; fp8 keys cast to
-    # q's dtype, which is exact) accumulating in f32. Measured on the H200: casting both to f32
-    # first made XLA convert them and run an f32 GEMM on the CUDA cores, ~58 us per request per
-    # decode step, half of a request's per-step cost; bf16 x bf16 -> f32 runs on the tensor cores.
-    # This function alone (64 heads x 128, 32k keys, vmapped over requests): 39.7 -> 13.4 us per
-    # request at 16 requests, 29.1 -> 10.5 at 64 (fp8 keys: 13.6, 8.6), scores within 3e-7.
-    # f32 models keep f32 operands at HIGHEST precision (TF32 would flip top-k choices).
-    operand = q.dtype if is_fp8(keys.dtype) else jnp.promote_types(q.dtype, keys.dtype)
-    precision = jax.lax.Precision.HIGHEST if operand == jnp.float32 else None
-    per_head = jnp.einsum(
-        "tgi,si->tgs", q.astype(operand), keys.astype(operand), precision=precision, preferred_element_type=jnp.float32
-    )  # f32[T, G, S]
-    per_head = jax.nn.relu(per_head * q.shape[-1] ** -0.5)
-    scores = einsum("tg,tgs->ts", weights, per_head)
-    return scores if key_scales is None else scores * key_scales.astype(jnp.float32)[None, :]
+    # The formula lives beside its kernel (pallas_kernels/indexer_scores.py; pallas_kernels may
+    # not import models/). q . k runs with its operands in their stored dtype (bf16 in a bf16
+    # model; fp8 keys cast to q's dtype, which is exact) accumulating in f32. Measured on the
+    # H200: casting both to f32 first made XLA convert them and run an f32 GEMM on the CUDA
+    # cores, ~58 us per request per decode step, half of a request's per-step cost; bf16 x bf16
+    # -> f32 runs on the tensor cores. This function alone (64 heads x 128, 32k keys, vmapped
+    # over requests): 39.7 -> 13.4 us per request at 16 requests, 29.1 -> 10.5 at 64 (fp8 keys:
+    # 13.6, 8.6), scores within 3e-7. f32 models keep f32 operands at HIGHEST precision (TF32
+    # would flip top-k choices).
+    return indexer_scores.score_keys(q, weights, keys, key_scales)
 
 
 def select_topk(scores: jax.Array, allowed: jax.Array, k: int) -> jax.Array:
     """scores f32[T, S], allowed bool[T, S] -> i32[T, K]: best allowed positions, -1 padded.
 
     Fewer than k allowed positions (a short context) leave the tail -1; the reference picks
-    arbitrary masked positions there, which its mask then ignores.
+    arbitrary masked positions there, which its mask then ignores. Ties (-0.0 and +0.0 too)
+    go to the lower position, on every platform (pallas_kernels/topk.py).
     """
-    masked = jnp.where(allowed, scores, -jnp.inf)
-    take = min(k, scores.shape[-1])
-    values, positions = jax.lax.top_k(masked, take)  # [T, take]
-    topk = jnp.where(values > -jnp.inf, positions, -1).astype(jnp.int32)
-    if take < k:
-        topk = jnp.pad(topk, [(0, 0)] * (topk.ndim - 1) + [(0, k - take)], constant_values=-1)
-    return topk
+    return topk.topk_reference(jnp.where(allowed, scores, -jnp.inf), k)
+
+
+def decode_topk(
+    q: jax.Array,
+    weights: jax.Array,
+    index_keys: jax.Array,
+    key_scales: jax.Array,
+    j,
+    positions: jax.Array,
+    k: int,
+    *,
+    implementation: str | None = None,
+) -> jax.Array:
+    """One decode step's indexer selection for the first b request slots -> i32[b, K].
+
+    q [b, G, I], weights f32[b, G] (Indexer.queries); index_keys [J, R, C, I] and key_scales
+    f32[J, R, C] (fp8 keys) or f32[J, R, 0]: the whole key cache, read in place; j: int or i32[]
+    (indexer layer); positions i32[b]: slot i sees keys 0..positions[i], -1 = inactive (all -1
+    out). Equals select_topk(index_scores(...), allowed, k) per request.
+
+    implementation: "pallas" runs the fused scoring kernel and the top-k kernel
+    (pallas_kernels/indexer_scores.py, topk.py); "reference" is the XLA path (einsum, lax.top_k);
+    None picks "pallas" on GPU, "reference" elsewhere. "tpu" (the attention's TPU kernels) has no
+    indexer kernel and runs the XLA path here.
+    """
+    if implementation == "tpu":
+        implementation = "reference"  # no TPU indexer kernel: XLA's path on TPU
+    scores = indexer_scores.index_scores_masked(
+        q, weights, index_keys, key_scales, j, positions, implementation=implementation
+    )  # f32[b, C], -inf past each position
+    return topk.topk_indices(scores, k, implementation=implementation)

@@ -81,6 +81,12 @@ class ServingArgs:
     output_dir: str = "outputs"
     implementation: str | None = None
     progress: bool = True
+    # Decode each step on the smallest compiled batch holding the running requests (EngineConfig.
+    # batch_buckets). Off by default here: then every step runs all slots in both modes, so a
+    # request's tokens cannot depend on the batch size (bf16 matmuls round differently at
+    # different batch sizes) and the run's HiSparse-vs-baseline token check is exact.
+    batch_buckets: bool = False
+    prefill_token_budget: int | None = None  # EngineConfig.prefill_token_budget: None prefills whole
     tp_size: int = 1  # SGLang's --tp-size, --dp-size, --enable-dp-attention (hisparse_jax.sharding)
     dp_size: int = 1
     enable_dp_attention: bool = False
@@ -309,7 +315,8 @@ def _engine(runner, args: ServingArgs, hisparse, context: int, budget: int, num_
         EngineConfig(
             max_running_requests=args.max_running_requests, context_length=context, hisparse=hisparse,
             kv_budget_bytes=budget, page_size=args.page_size, synthetic_topk_overlap=args.synthetic_topk_overlap,
-            seed=args.seed, num_host_pages=num_host_pages,
+            seed=args.seed, num_host_pages=num_host_pages, batch_buckets=args.batch_buckets,
+            prefill_token_budget=args.prefill_token_budget,
         ),
     )  # fmt: skip
 

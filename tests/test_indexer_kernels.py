@@ -1,0 +1,200 @@
+"""The DSA indexer's kernels (pallas_kernels/indexer_scores.py, topk.py) in interpret mode
+against their jnp references, and models/indexer.py's decode_topk against the model's own path
+(index_scores per request + select_topk).
+
+Scores: within a tolerance with an absolute floor, -inf exactly where a key is not visible,
+never NaN (the key rows past each position are NaN). Top-k: exactly lax.top_k's positions and
+order on the same scores, ties included."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.indexer import decode_topk, index_scores, quantize_keys, select_topk
+from pallas_kernels import common, indexer_scores, topk
+
+J, R, C, G, I = 2, 5, 300, 6, 32
+POSITIONS = [250, -1, 9, C - 1]  # b = 4 < R: a long context, an inactive slot, one shorter than K, a full one
+KEY_DTYPES = ["bfloat16", "float32", "fp8_e4m3"]
+
+
+def make_inputs(key_dtype: str, seed: int = 0, positions=POSITIONS):
+    """(q [b, G, I], w f32[b, G], keys [J, R, C, I], scales f32[J, R, C or 0], positions i32[b]).
+    Key rows past each slot's position are NaN (stale memory must not leak into a score); rows
+    10..19 of every slot repeat rows 0..9 (tied scores)."""
+    rng = np.random.default_rng(seed)
+    b = len(positions)
+    keys = rng.standard_normal((J, R, C, I)).astype(np.float32)
+    keys[:, :, 10:20] = keys[:, :, 0:10]
+    for slot, position in enumerate(positions):
+        keys[:, slot, position + 1 :] = np.nan
+    keys = jnp.asarray(keys)
+    q_dtype = jnp.float32 if key_dtype == "float32" else jnp.bfloat16
+    q = jnp.asarray(rng.standard_normal((b, G, I)), q_dtype)
+    w = jnp.asarray(rng.standard_normal((b, G)), jnp.float32)  # negative weights too: -0.0 and 0 ties
+    if key_dtype == "fp8_e4m3":
+        keys, scales = quantize_keys(keys)  # NaN rows get NaN scales, also never read
+    else:
+        keys, scales = keys.astype(key_dtype), jnp.zeros((J, R, 0), jnp.float32)
+    return q, w, keys, scales, jnp.asarray(positions, jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("implementation", "block_c", "blocks_per_program"))
+def scores_of(q, w, keys, scales, layer, positions, implementation, block_c=64, blocks_per_program=None):
+    tuning = {"block_c": block_c, "blocks_per_program": blocks_per_program} if implementation == "pallas" else {}
+    return indexer_scores.index_scores_masked(q, w, keys, scales, layer, positions, implementation=implementation, **tuning)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "implementation", "order", "chunk"))
+def topk_of(scores, k, implementation, order="kernel", chunk=32768):
+    tuning = {"order": order, "chunk": chunk} if implementation == "pallas" else {}
+    return topk.topk_indices(scores, k, implementation=implementation, **tuning)
+
+
+@pytest.mark.parametrize("key_dtype, blocks_per_program", [("bfloat16", None), ("float32", None), ("fp8_e4m3", None), ("bfloat16", 1), ("fp8_e4m3", 2)])
+def test_scores_kernel_matches_reference(key_dtype, blocks_per_program):
+    inputs = make_inputs(key_dtype)
+    positions = np.asarray(inputs[-1])
+    ref = np.asarray(scores_of(*inputs[:4], 1, inputs[4], "reference"))
+    got = np.asarray(scores_of(*inputs[:4], jnp.int32(1), inputs[4], "pallas", blocks_per_program=blocks_per_program))
+    visible = np.arange(C)[None, :] <= positions[:, None]
+    assert not np.isnan(got).any()
+    assert np.all(got[~visible] == -np.inf) and np.all(np.isfinite(got[visible]))
+    np.testing.assert_array_equal(ref[~visible], -np.inf)
+    floor = 1e-5 * np.abs(ref[visible]).max()  # different summation orders: an absolute floor
+    np.testing.assert_allclose(got[visible], ref[visible], rtol=1e-5, atol=floor)
+
+
+def tied_scores(seed=0):
+    """f32[6, C] with many exact ties (small integers, +0 and -0), masked runs, a row with no
+    visible score, rows with fewer visible scores than K, a NaN and infinities."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-3, 4, (6, C)).astype(np.float32)
+    x[0, :40] = rng.choice(np.array([0.0, -0.0], np.float32), 40)  # -0 ties with +0
+    x[1, 30:] = -np.inf  # 30 visible: fewer than K = 64
+    x[2] = -np.inf  # an inactive slot
+    x[3, ::3] = -np.inf
+    x[3, 5], x[3, 7], x[3, 8] = np.nan, np.inf, np.inf  # NaN: first, reported -1 (as select_topk)
+    x[4] = rng.standard_normal(C).astype(np.float32)  # distinct values: the early exit
+    x[5, :] = 1.0  # one tie across the row
+    return jnp.asarray(x)
+
+
+@pytest.mark.parametrize(
+    "k, order, chunk",
+    [(16, "kernel", 32768), (64, "kernel", 32768), (16, "fused", 64), (64, "xla", 32768), (64, "kernel", 64)],
+)  # chunk 64: the row spans 5 chunks and each pass re-reads it from memory
+def test_topk_kernel_equals_lax_top_k_with_ties(k, order, chunk):
+    scores = tied_scores()
+    expected = np.asarray(topk_of(scores, k, "reference"))
+    assert np.any(expected == -1) and np.any(expected[0] >= 0)
+    np.testing.assert_array_equal(np.asarray(topk_of(scores, k, "pallas", order, chunk)), expected)
+
+
+def test_reference_ties_minus_zero_with_zero():
+    """-0.0 and +0.0 tie, lower position first, on every platform (lax.top_k ranks +0 first on
+    the CPU and ties them on the GPU)."""
+    scores = jnp.asarray([[-0.0, 0.0, 1.0, -0.0, -1.0]], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(topk.topk_reference(scores, 5)), [[2, 0, 1, 3, 4]])
+    np.testing.assert_array_equal(np.asarray(topk_of(scores, 5, "pallas")), [[2, 0, 1, 3, 4]])
+
+
+@pytest.mark.parametrize("order", ["kernel", "fused"])
+def test_topk_kernel_with_k_past_the_row(order):
+    scores = tied_scores()[:, :40]  # K = 64 > C = 40: -1 past the row, as select_topk pads
+    expected = np.asarray(topk_of(scores, 64, "reference"))
+    assert np.all(expected[:, 40:] == -1)
+    np.testing.assert_array_equal(np.asarray(topk_of(scores, 64, "pallas", order)), expected)
+
+
+@pytest.mark.parametrize("key_dtype", KEY_DTYPES)
+def test_decode_topk_kernels_and_reference(key_dtype):
+    q, w, keys, scales, positions = make_inputs(key_dtype, seed=1)
+    K = 16
+    select = jax.jit(functools.partial(decode_topk, k=K), static_argnames="implementation")
+    got = np.asarray(select(q, w, keys, scales, jnp.int32(1), positions, implementation="pallas"))
+    # The kernels' selection is lax.top_k's on the kernel's own scores ...
+    own_scores = scores_of(q, w, keys, scales, 1, positions, "pallas")
+    np.testing.assert_array_equal(got, np.asarray(topk.topk_reference(own_scores, K)))
+    assert np.all(got[1] == -1) and np.all(got[2, 10:] == -1) and np.all(got[2, :10] >= 0)
+    # ... and the reference is the model's own decode path, bit for bit.
+    b = q.shape[0]
+    fp8 = key_dtype == "fp8_e4m3"
+    model_scores = jax.vmap(index_scores)(q[:, None], w[:, None], keys[1, :b], scales[1, :b] if fp8 else None)[:, 0]
+    allowed = jnp.arange(C)[None, :] <= positions[:, None]
+    np.testing.assert_array_equal(
+        np.asarray(select(q, w, keys, scales, 1, positions, implementation="reference")),
+        np.asarray(select_topk(model_scores, allowed, K)),
+    )
+
+
+def test_the_scoring_kernel_reads_the_cache_in_place():
+    """The kernel gets the whole [J, R, C, I] cache (no [b, C, I] slice copied for it)."""
+    q, w, keys, scales, positions = make_inputs("bfloat16")
+    jaxpr = jax.make_jaxpr(functools.partial(indexer_scores.index_scores_masked, implementation="pallas"))(
+        q, w, keys, scales, jnp.int32(0), positions
+    )
+    calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    assert len(calls) == 1
+    assert tuple(keys.shape) in [tuple(v.aval.shape) for v in calls[0].invars]
+    assert not any(e.primitive.name in ("slice", "dynamic_slice", "gather") for e in jaxpr.jaxpr.eqns)
+
+
+def test_shape_errors_name_both_values():
+    q, w, keys, scales, positions = make_inputs("bfloat16")
+    with pytest.raises(ValueError, match=r"positions length \(3\) must equal q batch \(b\) \(4\)"):
+        indexer_scores.index_scores_masked(q, w, keys, scales, 0, positions[:3])
+    with pytest.raises(ValueError, match=r"b = 6.*R = 5"):
+        indexer_scores.index_scores_masked(jnp.zeros((6, G, I)), jnp.zeros((6, G)), keys, scales, 0, jnp.zeros(6, jnp.int32))
+    with pytest.raises(ValueError, match=r"key_scales shape \(\(2, 5, 300\)\) must equal \[J, R, 0\] of the keys \(\(2, 5, 0\)\)"):
+        indexer_scores.index_scores_masked(q, w, keys, jnp.zeros((J, R, C)), 0, positions)
+    with pytest.raises(ValueError, match=r"layer \(2\) must be in \[0, num_layers \(2\)\)"):
+        indexer_scores.index_scores_masked(q, w, keys, scales, 2, positions)
+    with pytest.raises(ValueError, match=r"power-of-two head dim"):
+        indexer_scores.index_scores_masked_pallas(q[..., :24], w, keys[..., :24], scales, 0, positions)
+    with pytest.raises(ValueError, match=r"implementation"):
+        topk.topk_indices(jnp.zeros((2, 8)), 4, implementation="tpu")
+
+
+def test_kernels_lower_to_triton_for_the_h200(monkeypatch):
+    """Both kernels lower to Triton at the serving sizes (b 47, C 32768, 64 x 128 heads, K 2048)
+    for an abstract H200, on the CPU: a lowering rule Pallas lacks fails here, not on the GPU
+    (Triton's own compilation still happens there only)."""
+    monkeypatch.setattr(common, "interpret_mode", lambda: False)  # the GPU path, not the interpreter
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("x",), abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    )
+    spec = jax.ShapeDtypeStruct
+    b, context = 47, 32768
+    with jax.sharding.use_abstract_mesh(mesh):
+        for key_dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+            scale_shape = (1, b, context) if key_dtype == jnp.float8_e4m3fn else (1, b, 0)
+            args = (
+                spec((b, 64, 128), jnp.bfloat16), spec((b, 64), jnp.float32), spec((1, b, context, 128), key_dtype),
+                spec(scale_shape, jnp.float32), spec((), jnp.int32), spec((b,), jnp.int32),
+            )  # fmt: skip
+            text = jax.jit(indexer_scores.index_scores_masked_pallas).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert "__gpu$xla.gpu.triton" in text
+        for order in ("kernel", "xla"):
+            select = functools.partial(topk.topk_indices_pallas, k=2048, order=order)
+            text = jax.jit(select).trace(spec((b, context), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+            assert "__gpu$xla.gpu.triton" in text
+
+
+@pytest.mark.slow
+def test_bench_indexer_smoke(tmp_path):
+    """benchmarks/bench_indexer.py --smoke runs end to end on the CPU with every check passing
+    (~30 s; the GPU session is one call, so a crash there costs the measurement)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "bench_indexer.json"
+    subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_indexer.py"), "--smoke", f"--out={out}"], check=True, cwd=root)
+    results = json.loads(out.read_text())
+    assert results["checks"] and all(c["scores"]["ok"] and c["topk_on_kernel_scores"]["ok"] for c in results["checks"])
+    assert not results["errors"]
