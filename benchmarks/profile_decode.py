@@ -50,6 +50,7 @@ PARSER.add_argument("--trace_steps", type=int, default=3, help="0: no profiler t
 PARSER.add_argument("--dump_hlo", action="store_true", help="dump + summarise the optimised decode HLO")
 PARSER.add_argument("--plan", default="hisparse:model,hisparse:synthetic,baseline:model,baseline:synthetic",
                     help="phases in order, mode:selection (mode: hisparse | baseline; selection: model | synthetic)")
+PARSER.add_argument("--running", type=int, default=0, help="requests per phase (0: every slot), on their own batch bucket")
 PARSER.add_argument("--kv_cache_dtype", default="auto", help="auto (bf16) | fp8_e4m3, as SGLang's --kv-cache-dtype")
 PARSER.add_argument("--time_budget_s", type=float, default=420.0, help="skip phases past this")
 ARGS = PARSER.parse_args()
@@ -272,7 +273,8 @@ def run_phase(name: str, engine: Engine, overlap, prompt, slots: int) -> dict:
     if ARGS.trace_steps > 0:
         trace_dir = os.path.join(TRACE_ROOT, name)
     probe = StepProbe(engine, trace_dir, ARGS.warm_steps, ARGS.trace_steps)
-    requests = [Request(i, prompt, ARGS.warm_steps + ARGS.steps) for i in range(slots)]
+    running = min(slots, ARGS.running or slots)  # --running: fewer requests than slots (one batch bucket)
+    requests = [Request(i, prompt, ARGS.warm_steps + ARGS.steps) for i in range(running)]
     try:
         t = time.perf_counter()
         result = engine.run(requests, max_concurrency=slots)
@@ -370,7 +372,8 @@ def main():
         return Engine(runner, EngineConfig(max_running_requests=n, context_length=context,
                                            hisparse=hisparse if mode == "hisparse" else None,
                                            page_size=64, synthetic_context=True, seed=0,
-                                           batch_buckets=False))  # fmt: skip  (every slot runs: one compile)
+                                           # one compile: all slots, or the --running bucket
+                                           batch_buckets=(min(n, ARGS.running),) if ARGS.running else False))  # fmt: skip
 
     plan = []  # (mode, slots, overlap or None)
     for item in ARGS.plan.split(","):
