@@ -83,7 +83,7 @@ def test_greedy(model, golden):
     assert np.abs(logits - golden["greedy_logits"]).max() <= RTOL * np.abs(golden["greedy_logits"]).max()
 
 
-@pytest.mark.parametrize("by_steps", [False, True], ids=["prefill", "prompt_by_steps"])
+@pytest.mark.parametrize("by_steps", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["prefill", "prompt_by_steps"])
 def test_cached_decoding(model, golden, by_steps):
     """The cache (window ring, buffered windows, CSA overlap, entries emitted at (p+1) % M == 0),
     filled by one prefill pass or by feeding the prompt one token at a time, gives the full

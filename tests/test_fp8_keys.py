@@ -180,6 +180,7 @@ def test_pd_hand_over_of_fp8_keys_equals_a_colocated_prefill(glm, golden):
     np.testing.assert_array_equal(np.asarray(plain.index_keys[:, :, :30]), np.asarray(expected))
 
 
+@pytest.mark.slow  # ~80 s on 2 cores; fp8 keys through the engine stay covered by the other cases here
 def test_engine_serves_fp8_keys_on_one_device_and_over_data_parallel_groups():
     # The same tokens with HiSparse, the baseline, and data-parallel attention (the scales are
     # split over the groups like the keys); synthetic contexts fill fp8 keys too.

@@ -31,7 +31,7 @@ def fixture(request):
     return golden, load_hf_checkpoint(path, dtype=jnp.float32)
 
 
-@pytest.mark.parametrize("parallel", [DP2_TP2, REPLICAS], ids=["dp_attention", "replicas"])
+@pytest.mark.parametrize("parallel", [DP2_TP2, pytest.param(REPLICAS, marks=pytest.mark.slow)], ids=["dp_attention", "replicas"])
 @pytest.mark.parametrize("hisparse", [False, True], ids=["hisparse_off", "hisparse_on"])
 def test_sharded_decoding_equals_single_device_and_reference(fixture, parallel, hisparse):
     golden, model = fixture

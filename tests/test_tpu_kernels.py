@@ -48,6 +48,7 @@ TestSGLangCasesTPU = pytest.mark.parametrize("implementation", ["tpu"])(
 )
 
 
+@pytest.mark.slow  # the consecutive-steps case below covers the TPU plan in the default run
 @hypothesis.settings(max_examples=200, deadline=None, derandomize=True)
 @hypothesis.given(case=swap_in_cases())
 def test_random_plan_cases_match_oracle(case):
@@ -212,8 +213,10 @@ def device_pool_states(make_states):
 @pytest.mark.parametrize(
     "dtype, layout_kind, shared_second_layer",
     [
-        (jnp.float32, "float32", False),
-        (jnp.bfloat16, "bfloat16", False),
+        # fp8 rows (the most kernel paths) and the shared-layer replay in the default run; the
+        # plain-row cases (~30 s each in interpret mode) under -m slow.
+        pytest.param(jnp.float32, "float32", False, marks=pytest.mark.slow),
+        pytest.param(jnp.bfloat16, "bfloat16", False, marks=pytest.mark.slow),
         (jnp.float32, "fp8_e4m3", False),
         (jnp.float32, "float32", True),
     ],
@@ -309,6 +312,7 @@ def test_kernels_lower_to_mosaic(monkeypatch):
 # ---- the shared model fixture -----------------------------------------------------------------
 
 
+@pytest.mark.slow  # ~50 s: the whole fixture model on the TPU kernels in interpret mode
 def test_fixture_model_greedy_decoding_reproduces_its_tokens(monkeypatch):
     """tests/fixtures/deepseek_v32_tiny decoded with HiSparse and implementation="tpu" (every
     kernel in TPU interpret mode): the golden greedy tokens and logits, as test_models checks
