@@ -77,19 +77,6 @@ def _attend(state: KVState, query, layer, plan: SwapInPlan, latent_dim, sm_scale
     )
 
 
-def _after_attention(state: KVState, out) -> KVState:
-    """Orders every later write of the device rows after this attention's read of them.
-
-    The next layers' copies write the device buffer in place (an aliased Pallas output). When
-    their inputs do not wait for this layer's output (a top-k given from outside, e.g. the
-    SYNTHETIC selection, or a shared-index layer's replayed plan), XLA may schedule such a write
-    before this read and then keeps the old buffer alive by copying all of it (the whole
-    [L, R, B + 1, W] buffer, ~1 GB at 88 slots of fp8 rows). Passing the rows through one
-    barrier with the output makes every later write wait for it."""
-    _, rows = jax.lax.optimization_barrier((out, state.device_rows))
-    return state.with_device_rows(rows)
-
-
 def attention_layer(
     state: KVState,
     layer,  # int or i32[]: which sparse layer
@@ -122,7 +109,7 @@ def attention_layer(
     state, plan = state.swap_in(layer, topk, lengths_from_positions(positions), implementation=implementation)
     state = state.backup_newest(layer, new_row, positions, implementation=implementation)
     out = _attend(state, query, layer, plan, latent_dim, sm_scale, implementation)
-    return _after_attention(state, out), out, LayerStepInfo(plan.num_hits, plan.num_misses, plan if record_plan else None)
+    return state, out, LayerStepInfo(plan.num_hits, plan.num_misses, plan if record_plan else None)
 
 
 def jit_attention_layer(state: KVState, *, latent_dim: int, sm_scale: float, implementation: str | None = None):
@@ -164,4 +151,4 @@ def shared_attention_layer(
     state = state.replay_swap_in(layer, plan, implementation=implementation)
     state = state.backup_newest(layer, new_row, positions, implementation=implementation)
     out = _attend(state, query, layer, plan, latent_dim, sm_scale, implementation)
-    return _after_attention(state, out), out, LayerStepInfo(plan.num_hits, plan.num_misses, plan)
+    return state, out, LayerStepInfo(plan.num_hits, plan.num_misses, plan)

@@ -121,10 +121,6 @@ class KVState(Protocol):
         """row[L, R, S, W]: the device array attention reads rows from (S slots per request)."""
         ...
 
-    def with_device_rows(self, rows) -> "KVState":
-        """The state with device_rows replaced by `rows` of the same shape."""
-        ...
-
     @property
     def num_layers(self) -> int:
         """L: sparse layers."""
@@ -201,10 +197,6 @@ class HiSparseState:
     def device_rows(self) -> jax.Array:
         """row[L, R, B + 1, W]: the device buffer, the array attention reads rows from."""
         return self.device_buffer
-
-    def with_device_rows(self, rows) -> "HiSparseState":
-        """The state with device_rows replaced (same shape: an ordering barrier's output)."""
-        return self.replace(device_buffer=rows)
 
     @property
     def num_layers(self) -> int:
@@ -441,10 +433,6 @@ class FullKVState:
     def device_rows(self) -> jax.Array:
         """row[L, R, C, W]: the whole KV, the array attention reads rows from (slot = position)."""
         return self.kv
-
-    def with_device_rows(self, rows) -> "FullKVState":
-        """The state with device_rows replaced (same shape: an ordering barrier's output)."""
-        return self.replace(kv=rows)
 
     @property
     def num_layers(self) -> int:
