@@ -12,6 +12,7 @@ cache is [1, b, C, 128] with every request at the full context (positions C - 1)
    reference (-inf exactly where masked, no NaN, max |error| <= 1e-4 x max |score|); the top-k
    kernel exactly equal to lax.top_k (select_topk) on the kernel's own scores, every variant,
    and on tie-heavy scores (8 distinct values, +0 / -0) at the first size.
+   (benchmarks/bench_kernels.py --sections=indexer is the device-timed version of this script.)
 2. Timing per layer (one scoring / one top-k of b requests): kernel scoring, XLA's scoring
    (models/indexer.py's einsum path), the top-k kernels, lax.top_k. Device time by throughput:
    --launches calls of the op's jit queued back to back (asynchronous dispatch keeps the GPU
@@ -60,9 +61,9 @@ flags.DEFINE_bool("smoke", False, "Tiny sizes, to try the script itself on a CPU
 HEADS, HEAD_DIM, TOP_K = 64, 128, 2048
 SCORE_OTHER = {"bfloat16": dict(blocks_per_program=1), "fp8_e4m3": dict(blocks_per_program=8, num_stages=3)}  # beside the default
 SCORE_TUNINGS = [dict(block_c=256, num_warps=8, blocks_per_program=4, num_stages=3), dict(blocks_per_program=16, num_stages=4)]
-TOPK_ORDERS = [dict(order="kernel")]  # checked and timed at every size, beside the default (order="xla")
-TOPK_TUNINGS = [dict(order="fused")]  # first size only
-TOPK_STAGES = [dict(stop_after="threshold"), dict(stop_after="compact")]  # timed only: where the time goes
+TOPK_ORDERS = [dict(method="bisect", order="kernel")]  # checked and timed at every size, beside the default (method="radix")
+TOPK_TUNINGS = [dict(method="bisect", order="fused"), dict(method="bisect")]  # first size only
+TOPK_STAGES = [dict(stop_after="histogram"), dict(stop_after="resolve")]  # timed only: where the time goes
 RESULTS: dict = {"device": None, "sizes": [], "checks": [], "entries": [], "tuning": [], "errors": []}
 START = time.perf_counter()
 
@@ -258,7 +259,7 @@ def time_size(rng, b: int, context: int, key_dtype: str, k: int, tune: bool):
     score_sets = [(op("score")(q, w, *fixed),) for q, w in sets]  # the kernel's own scores, 3 sets
     record("topk", op("topk", k=k), score_sets)
     for tuning in TOPK_ORDERS:
-        record(f"topk_order_{tuning['order']}", op("topk", tuning, k), score_sets)
+        record(f"topk_{tuning['method']}_order_{tuning['order']}", op("topk", tuning, k), score_sets)
     record("reference_topk", op("reference_topk", k=k), score_sets)
     RESULTS["entries"].append(entry)
     log("  " + json.dumps({n: (round(v, 2) if isinstance(v, float) else v) for n, v in entry.items()}))
@@ -279,8 +280,8 @@ def main(argv):
         HEADS, HEAD_DIM, TOP_K = 8, 32, 64
         FLAGS.sizes, FLAGS.reps, FLAGS.launches = ["3x512", "2x1024"], 2, 2
         SCORE_TUNINGS = [dict(block_c=64, blocks_per_program=2)]
-        TOPK_TUNINGS = [dict(order="fused", chunk=128, num_warps=4)]
-        TOPK_STAGES = [dict(stop_after="threshold")]
+        TOPK_TUNINGS = [dict(method="bisect", order="fused", chunk=128, num_warps=4), dict(slice_len=128, sub=32, chunk=64)]
+        TOPK_STAGES = [dict(stop_after="histogram")]
     RESULTS["device"] = str(jax.devices()[0].device_kind)
     RESULTS["config"] = {"heads": HEADS, "head_dim": HEAD_DIM, "top_k": TOP_K, "reps": FLAGS.reps, "launches": FLAGS.launches, "smoke": FLAGS.smoke}
     log(f"device: {RESULTS['device']}")
@@ -297,11 +298,11 @@ def main(argv):
             attempt(f"checks {size} {key_dtype}", lambda: run_checks(rng, b, context, key_dtype, TOP_K, first=n == 0 and key_dtype == FLAGS.keys[0]))
             attempt(f"timing {size} {key_dtype}", lambda: time_size(rng, b, context, key_dtype, TOP_K, FLAGS.tune and n == 0 and key_dtype == FLAGS.keys[0]))
     save()
-    log("\nbatch context keys | score us (XLA) | top-k us, order=kernel (lax.top_k)")
+    log("\nbatch context keys | score us (XLA) | top-k us (radix), bisect order=kernel (lax.top_k)")
     for e in RESULTS["entries"]:
         cell = lambda name: f"{e.get(name + '_us', float('nan')):.1f}"  # noqa: E731
         log(f"{e['batch']:5d} {e['context']:6d} {e['keys']:9s} | {cell('score')} ({cell('reference_score')}) | "
-            f"{cell('topk')}, {cell('topk_order_kernel')} ({cell('reference_topk')})")
+            f"{cell('topk')}, {cell('topk_bisect_order_kernel')} ({cell('reference_topk')})")
     log(f"checks ok: {all(c['scores']['ok'] and c['topk_on_kernel_scores']['ok'] for c in RESULTS['checks'])}; "
         f"{len(RESULTS['errors'])} errors; wrote {FLAGS.out} at {time.perf_counter() - START:.0f} s")
 

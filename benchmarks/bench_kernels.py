@@ -17,6 +17,9 @@
    (FlashMLA's 656 B layout, dequantised in the kernel) at --fp8_sizes (batch 128 x 128 heads),
    with the same FLOP count and the kernel checked against the reference on the timed inputs;
    XLA's jnp reference timed the same way as the in-run baseline.
+4. DSA indexer (section "indexer", benchmarks/indexer_device_bench.py): scoring and top-k
+   kernels at --indexer_sizes, checked against their jnp references on the GPU (top-k exactly),
+   timed by device span per call from the profiler with XLA's path as the same-run baseline.
 
 Timing: N (--iters) launches unrolled in one jit, separated by optimisation barriers, called
 --reps times under JAX's profiler (benchmarks/device_timing.py). Swap-in: per launch, the device
@@ -45,7 +48,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from benchmarks import device_timing  # noqa: E402
+from benchmarks import device_timing, indexer_device_bench  # noqa: E402
 from benchmarks.swap_in_workload import make_workload  # noqa: E402
 from hisparse_jax import memory  # noqa: E402
 from hisparse_jax.row_layout import KVRowLayout  # noqa: E402
@@ -57,7 +60,9 @@ flags.DEFINE_integer("reps", 7, "Timed repetitions per configuration (median rep
 flags.DEFINE_integer("iters", 8, "Launches unrolled per timed jit.")
 flags.DEFINE_list("batches", ["1", "16", "64", "256"], "Swap-in batch sizes.")
 flags.DEFINE_bool("tune", True, "Also time alternative launch shapes.")
-flags.DEFINE_list("sections", ["check", "swap_in", "attention"], "What to run.")
+flags.DEFINE_list("sections", ["check", "swap_in", "attention", "indexer"], "What to run.")
+flags.DEFINE_list("indexer_sizes", ["47x32768", "13x32768", "190x32768", "47x65536", "47x131072"], "Indexer batch x context (variants at the first).")
+flags.DEFINE_float("indexer_budget_s", 0, "Indexer: start no new size after this many seconds of the section (0: never).")
 flags.DEFINE_bool("smoke", False, "Tiny sizes, to try the script itself on a CPU (interpret mode).")
 flags.DEFINE_list("fp8_sizes", ["128x128"], "batch x heads at which attention over fp8 rows is timed too.")
 flags.DEFINE_list("attention_batches", ["16", "64", "128"], "Attention batch sizes (bf16 rows).")
@@ -72,7 +77,7 @@ ROW_BYTES = WIDTH * 2
 GATHER_FLOOR_GBPS = (42.0, 51.0)  # docs/background.md: UVA gather of random 1152 B rows, 2k .. 131k rows
 FLUSH_WORDS = 64 * 1024 * 1024  # 256 MB of int32: over 4x the H200's 60 MB L2
 
-RESULTS: dict = {"device": None, "checks": {}, "swap_in": [], "attention": [], "errors": []}
+RESULTS: dict = {"device": None, "checks": {}, "swap_in": [], "attention": [], "indexer": [], "errors": []}
 START = [time.perf_counter()]  # the run's start, for --time_budget_s
 
 
@@ -620,6 +625,30 @@ def attention_cases(rng, R, heads, rows, slots_sets, tunings, scale, zero, flush
     return flush
 
 
+def run_indexer():
+    """Section "indexer": benchmarks/indexer_device_bench.py (checks + device timing per size)."""
+    if FLAGS.smoke:  # tiny sizes; the interpreter runs the kernels
+        indexer_device_bench.HEADS, indexer_device_bench.HEAD_DIM, indexer_device_bench.TOP_K = 8, 32, 64
+        indexer_device_bench.ALWAYS_SCORE = [{"block_c": 64, "blocks_per_program": 2}]
+        indexer_device_bench.VARIANTS_AT = {(3, 512): ([], [{"slice_len": 128, "sub": 32, "chunk": 64, "onehot": "int8"}])}
+        FLAGS.indexer_sizes = ["3x512", "2x1024"]
+    sizes = [tuple(map(int, size.split("x"))) for size in FLAGS.indexer_sizes]
+
+    def keep(entries):
+        RESULTS["indexer"] = entries
+        save()
+
+    try:
+        indexer_device_bench.run(sizes, log=log, save=keep, budget_s=FLAGS.indexer_budget_s, calls=3 if FLAGS.smoke else 20)
+    except Exception:
+        RESULTS["errors"].append(traceback.format_exc()[-3000:])
+        log(traceback.format_exc())
+    log("batch context | score us (XLA) | top-k us (lax.top_k) | checked")
+    for e in RESULTS["indexer"]:
+        cell = lambda name: f"{e[name]:.1f}" if isinstance(e.get(name), float) else "-"  # noqa: E731
+        log(f"{e['batch']:5d} {e['context']:6d} | {cell('score_us')} ({cell('reference_score_us')}) | {cell('topk_us')} ({cell('reference_topk_us')}) | {e.get('checked_bit_exact', e.get('error'))}")
+
+
 def main(_):
     if FLAGS.smoke:
         global TOP_K, BUFFER, CONTEXT, LATENT, ROPE, WIDTH, ROW_BYTES, FLUSH_WORDS
@@ -656,6 +685,8 @@ def main(_):
         except Exception:
             RESULTS["errors"].append(traceback.format_exc()[-3000:])
             log(traceback.format_exc())
+    if "indexer" in FLAGS.sections:
+        run_indexer()
     save()
     log(f"wrote {FLAGS.out}; {len(RESULTS['errors'])} errors")
 

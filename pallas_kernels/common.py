@@ -129,6 +129,22 @@ def row_block(leading: tuple, rows: jax.Array, offset: int, size: int, interpret
     return (*leading, rows, pl.ds(offset, size))
 
 
+def head_block(start, block: int, count: int) -> tuple[jax.Array, jax.Array]:
+    """Rows start .. start + block - 1 of a head axis of `count` rows (a block padded to a
+    power of two, or to >= 16 for Triton dots) -> (safe rows i32[block], ok bool[block]): rows
+    past the axis are not ok and their index is one past the end (safe_index)."""
+    rows = start + jnp.arange(block, dtype=jnp.int32)
+    ok = rows < count
+    return safe_index(rows, ok, count), ok
+
+
+def gather_rows(ref, leading: tuple, rows: jax.Array, ok: jax.Array, offset: int, size: int, interpret: bool) -> jax.Array:
+    """ref[*leading, rows, offset:offset + size] -> [len(rows), size]; rows not ok read 0.
+    rows, ok: from head_block."""
+    mask = jnp.broadcast_to(ok[:, None], (rows.shape[0], size))
+    return gather(ref, row_block(leading, rows, offset, size, interpret), mask, 0)
+
+
 # --------------------------------------------------------------------------------------------
 # Static shape checks (trace time; a ValueError names both values)
 # --------------------------------------------------------------------------------------------

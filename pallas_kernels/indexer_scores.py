@@ -125,12 +125,8 @@ def _scores_kernel(
     layer, position = layer_ref[0], positions_ref[i]
     operand = operand_dtype(q_ref.dtype, keys_ref.dtype)
     precision = jax.lax.Precision.HIGHEST if operand == jnp.float32 else None
-    heads = jnp.arange(block_g, dtype=jnp.int32)
-    head_ok = heads < G  # the head block is padded to >= 16 (Triton dots)
-    safe_heads = common.safe_index(heads, head_ok, G)
-    q = common.gather(
-        q_ref, common.row_block((i,), safe_heads, 0, I, interpret), jnp.broadcast_to(head_ok[:, None], (block_g, I)), 0
-    ).astype(operand)  # [block_g, I]
+    safe_heads, head_ok = common.head_block(0, block_g, G)  # the head block is padded to >= 16 (Triton dots)
+    q = common.gather_rows(q_ref, (i,), safe_heads, head_ok, 0, I, interpret).astype(operand)  # [block_g, I]
     w = common.gather(weights_ref, (i, safe_heads), head_ok, 0.0)  # f32[block_g]; padded heads weigh 0
 
     def block(j, carry):  # keys block `j` of this program: scores f32[block_c] written
@@ -160,24 +156,36 @@ def _scores_kernel(
         jax.lax.fori_loop(0, blocks_per_program, block, 0)
 
 
+def default_blocking(b: int, C: int, fp8: bool) -> tuple[int, int]:
+    """(block_c, blocks_per_program), as measured on the H200 (2026-12-01, 64 heads x 128, bf16
+    keys, device us; docs/perf/bench_kernels_indexer_h200_2026-12-01b.json). bf16 / f32 keys:
+    64-key blocks, 16 per program (47 x 32k 126.8 us vs 130.6 for 8 x 128; 190 x 32k 466.0 vs
+    476.7; 47 x 64k 235.9 vs 247.1; 47 x 128k 455.4 vs 465.2), 4 per program when that leaves
+    under 1024 programs (13 x 32k: 42.7 us vs 47.0 with 16, 45.9 for 8 x 128). fp8 keys: 1
+    block of 128 (35 us faster than 8 at 47 x 32k, docs/PERFORMANCE.md; why is not established)."""
+    if fp8:
+        return 128, 1
+    return 64, (16 if b * pl.cdiv(C, 64 * 16) >= 1024 else 4)
+
+
 def index_scores_masked_pallas(
-    q, weights, index_keys, key_scales, layer, positions, *, block_c=128, blocks_per_program=None, num_warps=4, num_stages=None
+    q, weights, index_keys, key_scales, layer, positions, *, block_c=None, blocks_per_program=None, num_warps=4, num_stages=None
 ):
     """The Pallas kernel; see index_scores_masked. Each program scores blocks_per_program blocks
-    of block_c keys (a power of two) of one request. Defaults (H200, 47 x 32k, 2026-12-01,
-    docs/PERFORMANCE.md): 8 blocks with 3 pipeline stages for bf16 / f32 keys (36 us faster
-    than 1 block), 1 block for fp8 keys (35 us faster than 8; why is not established)."""
+    of block_c keys (a power of two) of one request; None: default_blocking (measured)."""
     _check_inputs(q, weights, index_keys, key_scales, layer, positions)
     b, G, I = q.shape
     C = index_keys.shape[2]
     if I < 16 or I & (I - 1):
         raise ValueError(f"the indexer kernel needs a power-of-two head dim >= 16 (a Triton dot), got I = {I}")
+    fp8 = is_fp8(index_keys.dtype)
+    default_c, default_blocks = default_blocking(b, C, fp8)
+    block_c = block_c or default_c
     if block_c < 16 or block_c & (block_c - 1):
         raise ValueError(f"block_c ({block_c}) must be a power of two >= 16")
-    fp8 = is_fp8(index_keys.dtype)
     block_c = min(block_c, max(16, common.next_power_of_2(C)))
     if blocks_per_program is None:
-        blocks_per_program = 1 if fp8 else 8
+        blocks_per_program = default_blocks
     blocks_per_program = min(blocks_per_program, pl.cdiv(C, block_c))  # no program past the row
     if num_stages is None:
         num_stages = 3 if blocks_per_program > 1 else 1

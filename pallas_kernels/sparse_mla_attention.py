@@ -113,16 +113,11 @@ def _attention_kernel(
     K, S = slots_ref.shape[1], kv_ref.shape[2]
     layer = layer_ref[0]
     precision = _dot_precision(kv_ref.dtype)
-    heads = head_block * block_h + jnp.arange(block_h, dtype=jnp.int32)
-    head_ok = heads < H
-    safe_heads = common.safe_index(heads, head_ok, H)
+    safe_heads, head_ok = common.head_block(head_block * block_h, block_h, H)
     value_pieces = common.power_of_2_pieces(latent_dim)
     key_pieces = value_pieces + [(latent_dim + o, s) for o, s in common.power_of_2_pieces(W - latent_dim)]
     queries = [
-        common.gather(
-            query_ref, common.row_block((r,), safe_heads, o, s, interpret), jnp.broadcast_to(head_ok[:, None], (block_h, s)), 0
-        ).astype(kv_ref.dtype)
-        for o, s in key_pieces
+        common.gather_rows(query_ref, (r,), safe_heads, head_ok, o, s, interpret).astype(kv_ref.dtype) for o, s in key_pieces
     ]  # [block_h, s] each
 
     def body(step, carry):

@@ -52,12 +52,6 @@ def scores_of(q, w, keys, scales, layer, positions, implementation, block_c=64, 
     return indexer_scores.index_scores_masked(q, w, keys, scales, layer, positions, implementation=implementation, **tuning)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "implementation", "order", "chunk"))
-def topk_of(scores, k, implementation, order="kernel", chunk=32768):
-    tuning = {"order": order, "chunk": chunk} if implementation == "pallas" else {}
-    return topk.topk_indices(scores, k, implementation=implementation, **tuning)
-
-
 @pytest.mark.parametrize("key_dtype, blocks_per_program", [("bfloat16", None), ("float32", None), ("fp8_e4m3", None), ("bfloat16", 1), ("fp8_e4m3", 2)])
 def test_scores_kernel_matches_reference(key_dtype, blocks_per_program):
     inputs = make_inputs(key_dtype)
@@ -87,15 +81,64 @@ def tied_scores(seed=0):
     return jnp.asarray(x)
 
 
+@functools.partial(jax.jit, static_argnames=("k", "implementation", "tuning"))
+def topk_of(scores, k, implementation, tuning=()):
+    """tuning: topk_indices_pallas's keyword arguments as a tuple of (name, value) pairs."""
+    return topk.topk_indices(scores, k, implementation=implementation, **dict(tuning) if implementation == "pallas" else {})
+
+
+# Radix: slices of 64 scores (5 programs per row), one-hot products over 16 or 32, candidates
+# in registers 16 / 32 at a time (row 5's 300 tied candidates are re-read on every step).
+RADIX_SMALL = (("method", "radix"), ("slice_len", 64), ("sub", 16), ("split_chunk", 32), ("chunk", 16))
+RADIX_ONE_SLICE = (("method", "radix"), ("sub", 32), ("chunk", 32), ("onehot", "int8"))  # C = 300: one slice, sub-chunks looped
+
+
+def bisect(order, chunk=32768):
+    return (("method", "bisect"), ("order", order), ("chunk", chunk))
+
+
 @pytest.mark.parametrize(
-    "k, order, chunk",
-    [(16, "kernel", 32768), (64, "kernel", 32768), (16, "fused", 64), (64, "xla", 32768), (64, "kernel", 64)],
-)  # chunk 64: the row spans 5 chunks and each pass re-reads it from memory
-def test_topk_kernel_equals_lax_top_k_with_ties(k, order, chunk):
+    "k, tuning",
+    [(16, RADIX_SMALL), (64, RADIX_SMALL), (64, RADIX_ONE_SLICE), (16, bisect("kernel")), (16, bisect("fused", 64)), (64, bisect("xla"))],
+)  # bisect chunk 64: the row spans 5 chunks and each pass re-reads it from memory
+def test_topk_kernel_equals_lax_top_k_with_ties(k, tuning):
     scores = tied_scores()
     expected = np.asarray(topk_of(scores, k, "reference"))
     assert np.any(expected == -1) and np.any(expected[0] >= 0)
-    np.testing.assert_array_equal(np.asarray(topk_of(scores, k, "pallas", order, chunk)), expected)
+    np.testing.assert_array_equal(np.asarray(topk_of(scores, k, "pallas", tuning)), expected)
+
+
+def test_radix_topk_on_distinct_scores_over_many_slices():
+    """Distinct random scores with a masked tail: the threshold bucket holds a few of many
+    candidates, picked out by the bisection's early exit."""
+    x = np.random.default_rng(3).standard_normal((3, 1000)).astype(np.float32)
+    x[1, 700:] = -np.inf
+    scores = jnp.asarray(x)
+    tuning = (("slice_len", 128), ("sub", 32), ("chunk", 64))
+    np.testing.assert_array_equal(np.asarray(topk_of(scores, 100, "pallas", tuning)), np.asarray(topk_of(scores, 100, "reference")))
+
+
+def test_default_launch_choices_follow_the_measurements():
+    """The size rules behind the defaults (topk.default_method, indexer_scores.default_blocking)
+    at the sizes the H200 measured them (2026-12-01)."""
+    assert [topk.default_method(b, c) for b, c in [(13, 32768), (47, 32768), (190, 32768), (47, 65536), (47, 131072)]] == [
+        "radix", "bisect", "bisect", "radix", "radix"
+    ]
+    assert indexer_scores.default_blocking(13, 32768, False) == (64, 4)
+    assert indexer_scores.default_blocking(47, 32768, False) == (64, 16)
+    assert indexer_scores.default_blocking(47, 32768, True) == (128, 1)
+
+
+def test_digit_is_monotone_in_the_score():
+    """The radix digit never decreases along sorted scores (else the bucket select would be
+    wrong), ties -0 with +0, and spreads a typical score range over many buckets."""
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(4000) * 10.0 ** rng.integers(-9, 9, 4000), [0.0, -0.0, np.inf, 7e4, -7e4, 1e-30, -1e-30, np.nan]])
+    x = np.sort(x.astype(np.float32))  # NaN last, as the keys rank it
+    digits = np.asarray(topk._digit(jnp.asarray(x)))
+    assert np.all(np.diff(digits) >= 0) and digits.min() >= 0 and digits.max() < topk.DIGITS
+    assert topk._digit(jnp.float32(-0.0)) == topk._digit(jnp.float32(0.0))
+    assert len(np.unique(np.asarray(topk._digit(jnp.asarray(rng.standard_normal(4096), jnp.float32))))) > 40
 
 
 def test_reference_ties_minus_zero_with_zero():
@@ -104,14 +147,15 @@ def test_reference_ties_minus_zero_with_zero():
     scores = jnp.asarray([[-0.0, 0.0, 1.0, -0.0, -1.0]], jnp.float32)
     np.testing.assert_array_equal(np.asarray(topk.topk_reference(scores, 5)), [[2, 0, 1, 3, 4]])
     np.testing.assert_array_equal(np.asarray(topk_of(scores, 5, "pallas")), [[2, 0, 1, 3, 4]])
+    np.testing.assert_array_equal(np.asarray(topk_of(scores, 5, "pallas", bisect("kernel"))), [[2, 0, 1, 3, 4]])
 
 
-@pytest.mark.parametrize("order", ["kernel", "fused"])
-def test_topk_kernel_with_k_past_the_row(order):
+@pytest.mark.parametrize("tuning", [RADIX_SMALL, bisect("fused")])
+def test_topk_kernel_with_k_past_the_row(tuning):
     scores = tied_scores()[:, :40]  # K = 64 > C = 40: -1 past the row, as select_topk pads
     expected = np.asarray(topk_of(scores, 64, "reference"))
     assert np.all(expected[:, 40:] == -1)
-    np.testing.assert_array_equal(np.asarray(topk_of(scores, 64, "pallas", order)), expected)
+    np.testing.assert_array_equal(np.asarray(topk_of(scores, 64, "pallas", tuning)), expected)
 
 
 @pytest.mark.parametrize("key_dtype", KEY_DTYPES)
@@ -182,8 +226,8 @@ def test_kernels_lower_to_triton_for_the_h200(monkeypatch):
             )  # fmt: skip
             text = jax.jit(indexer_scores.index_scores_masked_pallas).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert "__gpu$xla.gpu.triton" in text
-        for order in ("kernel", "xla"):
-            select = functools.partial(topk.topk_indices_pallas, k=2048, order=order)
+        for tuning in ({"method": "radix"}, {"method": "bisect", "order": "kernel"}, {"method": "bisect", "order": "xla"}):
+            select = functools.partial(topk.topk_indices_pallas, k=2048, **tuning)
             text = jax.jit(select).trace(spec((b, context), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
             assert "__gpu$xla.gpu.triton" in text
 
