@@ -7,7 +7,8 @@
 
 Checkpoint decoding takes DSA (deepseek_v32, glm_moe_dsa), DeepSeek-V4 (deepseek_v4) and MiniMax-M3
 (minimax_m3_vl_text, minimax_m3_vl) checkpoints, by config.json's model_type (models.families);
-serving runs DSA models only.
+serving runs DSA models (built-in or checkpoints) and the random-weight deepseek_v4_tiny /
+minimax_m3_tiny through the same engine (their families' runners; docs/models.md).
 
 Flags follow SGLang (server: --enable-hisparse, --hisparse-config, --context-length,
 --max-running-requests, --dtype, --kv-cache-dtype; bench_serving: --num-prompts, --random-input-len,
@@ -29,7 +30,10 @@ from absl import app, flags
 from hisparse_jax.serving import validation
 from hisparse_jax.serving.errors import UsageError
 
-_MODEL = flags.DEFINE_string("model", "tiny", "Built-in model config (random weights): tiny, tiny_glm, deepseek_v32, glm_5_1, glm_5_2.")
+_MODEL = flags.DEFINE_string(
+    "model", "tiny",
+    "Built-in model config (random weights): tiny, tiny_glm, deepseek_v32, glm_5_1, glm_5_2 (DSA), deepseek_v4_tiny, minimax_m3_tiny.",
+)  # fmt: skip
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint directory (config.json + *.safetensors), instead of --model.")
 _PROMPTS = flags.DEFINE_string("prompts", None, "Checkpoint decoding: .npz with input_ids int32 [B, T].")
 _OUTPUT = flags.DEFINE_string("output", None, "Checkpoint decoding: .npz to write tokens and logits to.")

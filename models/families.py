@@ -22,6 +22,11 @@ top_k defaults to it and any other value is refused. MiniMax-M3 selects whole bl
 width is fixed by the model (index_topk_blocks x index_block_size): a top_k is not applied to it;
 it defaults to that width and a different value is refused with one line saying so.
 
+Serving (run_decode.py --model=deepseek_v4_tiny|minimax_m3_tiny; hisparse_jax.serving.engine):
+a family other than DSA names its random-weight model, its engine runner (models/family_runner.py:
+V4Runner, M3Runner) and its device footprint per request; the DSA family's are
+models.decoding.ModelRunner and hisparse_jax.serving.scheduler.DeviceFootprint, built by the CLI.
+
 Nothing here imports JAX at module level (run_decode.py checks its inputs before JAX starts); the
 decode functions import their model code when called.
 """
@@ -57,6 +62,10 @@ class Family:
     decode: Callable[..., DecodeOutput]  # (checkpoint, prompts, max_new_tokens, *, dtype, hisparse, kv_cache_dtype)
     kv_cache_dtypes_other_than_auto: bool  # takes --kv_cache_dtype values other than auto
     abstract_model: Callable[[Any, Any], Any]  # (config, dtype) -> the model with ShapeDtypeStruct leaves
+    # Serving through the engine, for families other than DSA (None: DSA, whose runner the CLI builds):
+    random_model: Callable[[Any, Any, int], Any] | None = None  # (config, dtype, seed) -> model with random weights
+    make_runner: Callable[..., Any] | None = None  # (model, *, implementation) -> the engine's runner
+    footprint: Callable[[Any, Any, Any], Any] | None = None  # (config, dtype, HiSparseConfig or None) -> RequestFootprint
 
     @property
     def config_class(self) -> type:
@@ -160,6 +169,49 @@ def _abstract_m3(config, dtype):
     return abstract_model(config, dtype)
 
 
+# ---- serving (import JAX when called) -------------------------------------------------------------
+
+
+def _random_v4(config, dtype, seed):
+    from flax import nnx
+
+    from models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    return DeepseekV4ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+def _random_m3(config, dtype, seed):
+    from flax import nnx
+
+    from models.minimax_m3 import MiniMaxM3ForCausalLM
+
+    return MiniMaxM3ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+def _runner_v4(model, **kwargs):
+    from models.deepseek_v4_runner import V4Runner
+
+    return V4Runner(model, **kwargs)
+
+
+def _runner_m3(model, **kwargs):
+    from models.minimax_m3_runner import M3Runner
+
+    return M3Runner(model, **kwargs)
+
+
+def _footprint_v4(config, dtype, hisparse):
+    from models.deepseek_v4_runner import footprint
+
+    return footprint(config, dtype, hisparse)
+
+
+def _footprint_m3(config, dtype, hisparse):
+    from models.minimax_m3_runner import footprint
+
+    return footprint(config, dtype, hisparse)
+
+
 FAMILIES = (
     Family(
         "dsa", SUPPORTED_MODEL_TYPES, DSAModelConfig.from_hf_config, lambda c: c.index_topk, False, _check_dsa,
@@ -167,11 +219,11 @@ FAMILIES = (
     ),
     Family(
         "deepseek_v4", ("deepseek_v4",), DeepseekV4Config.from_hf_config, lambda c: c.index_topk, False, _check_v4,
-        _decode_v4, False, _abstract_v4,
+        _decode_v4, False, _abstract_v4, _random_v4, _runner_v4, _footprint_v4,
     ),
     Family(
         "minimax_m3", (TEXT_MODEL_TYPE, VL_MODEL_TYPE), MiniMaxM3Config.from_hf_config, lambda c: c.selected_keys, True,
-        _check_m3, _decode_m3, False, _abstract_m3,
+        _check_m3, _decode_m3, False, _abstract_m3, _random_m3, _runner_m3, _footprint_m3,
     ),
 )  # fmt: skip
 MODEL_TYPES = tuple(t for f in FAMILIES for t in f.model_types)

@@ -412,9 +412,10 @@ def create_cache(model: MiniMaxM3ForCausalLM, batch: int, max_context: int) -> M
     return M3Cache(jnp.zeros(kv, dtype), jnp.zeros(kv, dtype), jnp.zeros((len(c.sparse_layers), batch, max_context, c.index_head_dim), dtype))
 
 
-def forward_with_cache_rows(model: MiniMaxM3ForCausalLM, tokens: jax.Array):
-    """Prompts i32[B, T] -> (last-position logits f32[B, V], k / v [L, B, T, N, E] after norm +
-    RoPE, index keys [J, B, T, I]): what a prefill writes to the caches."""
+def forward_with_cache_rows(model: MiniMaxM3ForCausalLM, tokens: jax.Array, last=None):
+    """Prompts i32[B, T] -> (logits f32[B, V] of position `last` (int or i32[]; default T - 1:
+    a padded prompt passes its real last position), k / v [L, B, T, N, E] after norm + RoPE,
+    index keys [J, B, T, I]): what a prefill writes to the caches."""
     config = model.config
     T = tokens.shape[1]
     cos, sin = rope_cos_sin(config, jnp.arange(T, dtype=jnp.int32))
@@ -429,7 +430,7 @@ def forward_with_cache_rows(model: MiniMaxM3ForCausalLM, tokens: jax.Array):
             if ik is not None:
                 iks.append(ik)
         iks = jnp.stack(iks) if iks else jnp.zeros((0, T, config.index_head_dim), h.dtype)
-        return model.logits(h[-1]), jnp.stack(ks), jnp.stack(vs), iks
+        return model.logits(h[T - 1 if last is None else last]), jnp.stack(ks), jnp.stack(vs), iks
 
     logits, k, v, ik = jax.lax.map(one_sequence, tokens)  # k [B, L, T, N, E], ik [B, J, T, I]
     return logits, jnp.moveaxis(k, 0, 1), jnp.moveaxis(v, 0, 1), jnp.moveaxis(ik, 0, 1)

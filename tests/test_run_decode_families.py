@@ -84,7 +84,102 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         ((f"--checkpoint={v4}", f"--prompts={tmp_path / 'ok.npz'}", *decode, "--kv_cache_dtype=fp8_e4m3"),
          "kv_cache_dtype 'fp8_e4m3' is not supported for model_type 'deepseek_v4'"),
         ((f"--checkpoint={m3}", "--num_prompts=2"), "served only by checkpoint decoding"),
+        # serving the tiny models: flags their runners cannot honour
+        (("--model=deepseek_v4_tiny", "--kv_cache_dtype=fp8_e4m3"), "kv_cache_dtype 'fp8_e4m3' is not supported"),
+        (("--model=minimax_m3_tiny", "--dp_size=2"), "MiniMax-M3 serving runs on one device"),
+        (("--model=deepseek_v4_tiny", "--disaggregation_mode=prefill"), "DeepSeek-V4 serving is colocated only"),
     ]  # fmt: skip
     for flags, message in cases:
         assert_refused(run_decode(*flags), message)
     assert sorted(os.listdir(tmp_path)) == ["big.npz", "ok.npz"]  # nothing written
+
+
+# ---- serving: run_decode.py --model=deepseek_v4_tiny|minimax_m3_tiny ------------------------------
+#
+# The engine (continuous batching: prefill into a slot, one jitted step over all slots, retire)
+# with the families' runners, HiSparse and the no-offload baseline on one random workload. CPU
+# compiles dominate (a V4 prefill compile is ~20 s on the 2-core CI machine), so the fast tests
+# serve a cut-down model of each family (one sparse layer) through Engine directly; the CLI runs
+# of the named tiny models are slow-only.
+
+
+def _serve(runner, hisparse, requests, *, slots=2, context=64):
+    from hisparse_jax.serving.engine import Engine, EngineConfig
+
+    engine = Engine(runner, EngineConfig(max_running_requests=slots, context_length=context, hisparse=hisparse,
+                                         page_size=16, batch_buckets=False, fill_value=float("nan")))  # fmt: skip
+    return engine.run(requests, max_concurrency=slots)
+
+
+def _numpy_weights(model_class, config):
+    """A model with N(0, 0.1) weights drawn by numpy: random init through jax.random costs ~15 s of
+    small compiles on the CPU (one per parameter shape), more than the serving under test."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: model_class(config, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(0)
+    values = jax.tree.map(lambda s: jnp.asarray((0.1 * rng.standard_normal(s.shape)).astype(s.dtype)), state)
+    return nnx.merge(graphdef, values)
+
+
+def _family_case(family):
+
+    from configs.deepseek_v4 import CSA, DeepseekV4Config
+    from configs.minimax_m3 import MiniMaxM3Config
+    from hisparse_jax.config import HiSparseConfig
+    from models.deepseek_v4 import DeepseekV4ForCausalLM
+    from models.deepseek_v4_runner import V4Runner
+    from models.minimax_m3 import MiniMaxM3ForCausalLM
+    from models.minimax_m3_runner import M3Runner
+
+    if family == "deepseek_v4":  # one CSA layer: entries offloaded, indexer keys and window on the device
+        config = DeepseekV4Config.tiny().replace(
+            num_layers=1, layer_types=(CSA,), mlp_layer_types=("moe",), hc_sinkhorn_iters=2, n_routed_experts=2, num_experts_per_tok=1
+        )  # fewer unrolled Sinkhorn iterations and experts: a smaller graph to compile
+        model, runner = _numpy_weights(DeepseekV4ForCausalLM, config), V4Runner
+        hisparse = HiSparseConfig(top_k=8, device_buffer_size=10)  # 10 entries < the 10..16 a request holds
+    else:  # one full and one sparse layer
+        config = MiniMaxM3Config.tiny().replace(
+            num_layers=2, layer_types=("full_attention", "minimax_m3_sparse"), mlp_layer_types=("dense", "dense")
+        )  # dense MLPs: a smaller graph to compile
+        model, runner = _numpy_weights(MiniMaxM3ForCausalLM, config), M3Runner
+        hisparse = HiSparseConfig(top_k=16, device_buffer_size=20)  # 20 rows < the 41..56 keys a request holds
+    return runner(model), hisparse
+
+
+@pytest.mark.parametrize("family", ["deepseek_v4", "minimax_m3"])
+def test_engine_serves_family_hisparse_equals_baseline(family):
+    """Three requests through two slots (the third waits for a retired slot, then reuses it): the
+    HiSparse run copies rows from the host pool and gives every request the baseline's tokens;
+    unwritten rows are NaN, so a read of a row nothing stored would show."""
+    from hisparse_jax.serving.workload import random_requests
+
+    runner, hisparse = _family_case(family)
+    requests = random_requests(num_prompts=3, input_len=56, output_len=6, range_ratio=0.7, vocab_size=512, seed=0)
+    offloaded = _serve(runner, hisparse, requests)
+    baseline = _serve(runner, None, requests)
+    assert offloaded.summary["misses"] > 0 and baseline.summary["misses"] == 0
+    for r in requests:
+        assert len(offloaded.tokens[r.id]) == r.max_new_tokens
+        np.testing.assert_array_equal(offloaded.tokens[r.id], baseline.tokens[r.id])
+
+
+@pytest.mark.slow  # ~1-2 min each on 2 CPU cores: the tiny models' prefill and decode compiles
+@pytest.mark.parametrize("model", ["deepseek_v4_tiny", "minimax_m3_tiny"])
+def test_run_decode_serves_tiny_family_model(tmp_path, model):
+    """`run_decode.py --model=...` as a user runs it: HiSparse and the baseline on one workload,
+    the same tokens, misses, results.json and the plots written."""
+    import json
+
+    done = run_decode(f"--model={model}", "--num_prompts=3", "--random_input_len=64", "--random_output_len=6",
+                      "--max_concurrency=2", "--max_running_requests=2", "--device_buffer_sweep=", "--dtype=float32",
+                      "--noprogress", f"--output_dir={tmp_path}")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "same tokens for every request in every run: True" in done.stdout
+    with open(tmp_path / "results.json") as f:
+        results = json.load(f)
+    assert results["tokens_identical"] and {p["mode"] for p in results["points"]} == {"hisparse", "baseline"}
+    assert next(p for p in results["points"] if p["mode"] == "hisparse")["misses"] > 0
+    assert all(os.path.exists(path) for path in results["files"].values())

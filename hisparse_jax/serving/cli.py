@@ -6,6 +6,10 @@ results JSON and the plots and return a printable report.
     results = run_serving(ServingArgs(compare_baseline=True, max_concurrency=(1, 4, 8)))
     print(format_report(results))
 
+DeepSeek-V4 and MiniMax-M3 (`--model=deepseek_v4_tiny|minimax_m3_tiny`) are served by the same
+engine through their families' runners (models.families: random model, runner, device
+footprint); flags those runners cannot honour are refused (validation.check_family_serving).
+
 Every input is validated before anything is built (hisparse_jax.serving.validation: UsageError
 names the flag); the script only maps flags to ServingArgs. A run with synthetic selection writes
 `synthetic_*` files with the label in every title, so its figures are never mixed with real-model
@@ -40,6 +44,7 @@ from hisparse_jax.serving.validation import (  # noqa: F401  (parse_int_list, re
     CheckpointDecode,
     check_flag,
     checkpoint_config,
+    check_family_serving,
     flag_errors,
     parse_int_list,
     resolve_hisparse_config,
@@ -47,7 +52,7 @@ from hisparse_jax.serving.validation import (  # noqa: F401  (parse_int_list, re
 from hisparse_jax.sharding import ParallelConfig, ParallelConfigError
 from hisparse_jax.serving.telemetry import format_summary, steps_to_json, write_json
 from models.decoder import DSAForCausalLM
-from models import inputs
+from models import families, inputs
 from models.decoding import ModelRunner, decode_checkpoint
 from models.loading import CheckpointError, load_hf_checkpoint
 
@@ -125,7 +130,7 @@ class ServingArgs:
         return f"SYNTHETIC top-k, overlap {self.synthetic_topk_overlap:g}"
 
 
-def model_config(args: ServingArgs) -> DSAModelConfig:
+def model_config(args: ServingArgs):
     """The architecture alone (cheap): a built-in config or the checkpoint's config.json."""
     if args.checkpoint is None:
         return MODELS[args.model]()
@@ -140,7 +145,22 @@ def load_model(args: ServingArgs):
             return load_hf_checkpoint(args.checkpoint, dtype=dtype), os.path.basename(os.path.normpath(args.checkpoint))
         except (CheckpointError, UnsupportedModelError, OSError) as error:
             raise UsageError(f"--checkpoint: {error}") from None
-    return DSAForCausalLM(MODELS[args.model](), dtype=dtype, rngs=nnx.Rngs(args.seed)), f"{args.model} (random weights)"
+    config = MODELS[args.model]()
+    family = families.family_of_config(config)
+    if family.random_model is not None:  # DeepSeek-V4, MiniMax-M3
+        return family.random_model(config, dtype, args.seed), f"{args.model} (random weights)"
+    return DSAForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(args.seed)), f"{args.model} (random weights)"
+
+
+def make_runner(model, args: ServingArgs):
+    """The engine's runner: the model family's (DeepSeek-V4, MiniMax-M3) or the DSA ModelRunner."""
+    family = families.family_of_config(model.config)
+    if family.make_runner is not None:
+        return family.make_runner(model, implementation=args.implementation)
+    try:
+        return ModelRunner(model, implementation=args.implementation, parallel=args.parallel, kv_cache_dtype=args.kv_cache_dtype)
+    except ParallelConfigError as error:  # too few devices for the mesh
+        raise UsageError(f"--tp_size/--dp_size/--enable_dp_attention: {error}") from None
 
 
 def _point(result, concurrency: int) -> dict:
@@ -153,7 +173,7 @@ def _point(result, concurrency: int) -> dict:
 class _Prepared:
     """What every run derives from the flags before serving (checked, then the weights built)."""
 
-    config: DSAModelConfig
+    config: DSAModelConfig  # or DeepseekV4Config / MiniMaxM3Config (models.families)
     hisparse: HiSparseConfig
     requests: list
     context: int
@@ -165,6 +185,8 @@ class _Prepared:
 
 def _prepare(args: ServingArgs) -> _Prepared:
     config = model_config(args)  # everything is checked before the weights are built
+    family = families.family_of_config(config)
+    check_family_serving(config, dataclasses.asdict(args))  # flags another family's runner cannot honour
     with flag_errors("--tp_size/--dp_size/--enable_dp_attention"):
         inputs.check_parallel(config, args.parallel, num_requests=args.max_running_requests, requests="request slots (--max_running_requests)")
     hisparse = resolve_hisparse_config(args.hisparse_config, config)
@@ -193,7 +215,11 @@ def _prepare(args: ServingArgs) -> _Prepared:
         budget, budget_source = int(args.kv_budget_gb * 1e9), "--kv_budget_gb"
     else:
         # Auto: HiSparse's R slots at full context fit exactly; the baseline gets the same bytes.
-        budget = args.max_running_requests * DeviceFootprint.of(config, dtype, hisparse, args.kv_cache_dtype).request_bytes(context)
+        if family.footprint is not None:  # DeepSeek-V4, MiniMax-M3: the runner's own count
+            footprint = family.footprint(config, dtype, hisparse)
+        else:
+            footprint = DeviceFootprint.of(config, dtype, hisparse, args.kv_cache_dtype)
+        budget = args.max_running_requests * footprint.request_bytes(context)
         budget_source = "auto: max_running_requests HiSparse requests at context_length"
     return _Prepared(config, hisparse, requests, context, model, model_name, budget, budget_source)
 
@@ -204,10 +230,7 @@ def run_serving(args: ServingArgs) -> dict:
     hisparse, requests, context = prepared.hisparse, prepared.requests, prepared.context
     model, model_name, budget, budget_source = prepared.model, prepared.model_name, prepared.budget, prepared.budget_source
     concurrencies = args.max_concurrency or (args.max_running_requests,)
-    try:
-        runner = ModelRunner(model, implementation=args.implementation, parallel=args.parallel, kv_cache_dtype=args.kv_cache_dtype)
-    except ParallelConfigError as error:  # too few devices for the mesh
-        raise UsageError(f"--tp_size/--dp_size/--enable_dp_attention: {error}") from None
+    runner = make_runner(model, args)
     os.makedirs(args.output_dir, exist_ok=True)
     prefix = "" if args.synthetic_topk_overlap is None else f"synthetic_overlap{args.synthetic_topk_overlap:g}_"
     results = dict(

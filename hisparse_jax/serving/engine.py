@@ -152,10 +152,13 @@ class Engine:
         self.runner, self.config = runner, config
         model = runner.config
         hisparse = config.hisparse
-        if hisparse is not None and hisparse.top_k != model.index_topk:
-            raise UsageError(f"hisparse_config top_k ({hisparse.top_k}) must equal the model's index_topk ({model.index_topk})")
         R, C = config.max_running_requests, config.context_length
-        self.footprint = DeviceFootprint.of(model, runner.dtype, hisparse, runner.kv_cache_dtype)  # the runner's cache format
+        if hasattr(runner, "device_footprint"):  # another family's runner (models/family_runner.py) sizes its requests
+            self.footprint = runner.device_footprint(hisparse)
+        else:
+            if hisparse is not None and hisparse.top_k != model.index_topk:
+                raise UsageError(f"hisparse_config top_k ({hisparse.top_k}) must equal the model's index_topk ({model.index_topk})")
+            self.footprint = DeviceFootprint.of(model, runner.dtype, hisparse, runner.kv_cache_dtype)  # the runner's cache format
         self.cache: DecodeCache = self._empty_cache()
         # Data-parallel attention (runner.mesh): each group schedules its own slots, host pool
         # block and share of the device budget, as SGLang's DP ranks do.

@@ -23,6 +23,8 @@ from typing import Any, Collection, Mapping
 
 import numpy as np
 
+from configs.deepseek_v4 import DeepseekV4Config
+from configs.minimax_m3 import MiniMaxM3Config
 from configs.model import DSAModelConfig
 from hisparse_jax.config import HiSparseConfig, HiSparseConfigError
 from hisparse_jax.serving.errors import UsageError
@@ -34,6 +36,9 @@ MODELS = {
     "deepseek_v32": DSAModelConfig.deepseek_v32,
     "glm_5_1": DSAModelConfig.glm_5_1,
     "glm_5_2": DSAModelConfig.glm_5_2,
+    # served through their families' runners (models/family_runner.py), tiny sizes only
+    "deepseek_v4_tiny": DeepseekV4Config.tiny,
+    "minimax_m3_tiny": MiniMaxM3Config.tiny,
 }
 DTYPE_NAMES = ("bfloat16", "float32")
 # SGLang's --kv-cache-dtype values offered here (models.decoding.create_cache also takes float32).
@@ -173,12 +178,38 @@ def check_flags(mode: str, values: Mapping[str, Any], present: Collection[str]) 
             raise UsageError("--model is not used with --checkpoint (its config.json is the model); drop one of them")
         if "disaggregation_address" in present and values["disaggregation_mode"] == "null":
             raise UsageError("--disaggregation_address is not used without --disaggregation_mode=prefill|decode")
+        if values["checkpoint"] is None:
+            check_family_serving(MODELS[values["model"]](), values)
     if unused:
         names = ", ".join(f"--{name}" for name in unused)
         raise UsageError(f"{names} {'is' if len(unused) == 1 else 'are'} not used by {mode}; drop {'it' if len(unused) == 1 else 'them'}")
 
 
 # ---- settings that depend on the model ------------------------------------------------------------
+
+_FAMILY_NAMES = {"deepseek_v4": "DeepSeek-V4", "minimax_m3": "MiniMax-M3"}
+
+
+def check_family_serving(config, values: Mapping[str, Any]) -> None:
+    """Serving flags a DeepSeek-V4 / MiniMax-M3 runner (models/family_runner.py) cannot honour,
+    refused by name; DSA configs pass. values: run_decode.py's flag values or ServingArgs' fields."""
+    family = families.family_of_config(config)
+    if family.make_runner is None:
+        return
+    name = _FAMILY_NAMES.get(family.name, family.name)
+    with flag_errors("--kv_cache_dtype"):
+        inputs.check_kv_cache_dtype(values["kv_cache_dtype"], config, values["dtype"])
+    if values["tp_size"] != 1 or values["dp_size"] != 1 or values["enable_dp_attention"]:
+        raise UsageError(f"--tp_size/--dp_size/--enable_dp_attention: {name} serving runs on one device; drop them")
+    if values["disaggregation_mode"] != "null":
+        raise UsageError(f"--disaggregation_mode={values['disaggregation_mode']}: {name} serving is colocated only; drop it")
+    if values["synthetic_topk_overlap"] is not None:
+        raise UsageError(f"--synthetic_topk_overlap: SYNTHETIC selection drives DSA indexers only, not {name}'s; drop it")
+    if values["prefill_token_budget"] is not None:
+        raise UsageError(f"--prefill_token_budget: {name} serving prefills each prompt whole (one forward pass); drop it")
+    if values["batch_buckets"]:
+        raise UsageError(f"--batch_buckets: {name} serving decodes all --max_running_requests slots each step; drop it")
+
 
 
 def _hisparse_values(text: str) -> dict:
