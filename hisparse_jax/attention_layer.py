@@ -13,10 +13,18 @@ nothing):
      n <= B, else the reserved slot B), so attention can read it without a host round trip;
   2. swap_in: the swap-in plan, then the copy of the missed rows host -> device (pallas_kernels);
   3. backup_newest: eager backup of the newest row device -> its host slot, after the copy
-     (which never needs it: the newest position resolves to a device slot), so it is off the
-     swap-in/attention chain; the next step's swap-in reads the pool XLA returns here, which
-     orders the backup before any read of that row from the host;
+     (which never needs it: the newest position resolves to a device slot); the next step's
+     swap-in reads the pool XLA returns here, which orders the backup before any read of that
+     row from the host. With backup=False the caller backs the rows up itself, after its last
+     layer (models/decoding.py: kv_cache_ops.backup_newest_rows), so that no copy of a later
+     layer waits for an in-place pool write;
   4. attention over the resolved slots of state.device_rows.
+
+Shared-index layers (GLM IndexShare) replay their anchor's plan. prefetch_shared_rows fetches a
+shared layer's missed rows as soon as the anchor's plan exists, into a fresh array on a second
+GPU stream (compute_on "gpu_stream:1"), so the PCIe copy runs beside the anchor's attention and
+the layers in between; shared_attention_layer(prefetched=...) then only places them (device to
+device). docs/architecture.md ("Overlap") says why and what the H200 profile shows.
 
 Shape letters (hisparse_jax.state): L layers, R requests, H heads, K top-k entries, W stored row
 width, D latent width (latent_dim). The query is D + rope wide (the row's values); W is that too
@@ -27,13 +35,15 @@ dequantises as it reads them.
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.compute_on import compute_on
 
 from hisparse_jax.state import KVState, jit_donating_state
-from pallas_kernels.common import check_equal, check_layer_index, check_rank
+from pallas_kernels.common import check_equal, check_layer_index, check_rank, resolve_implementation
 from pallas_kernels.sparse_mla_attention import sparse_mla_attention
 from pallas_kernels.swap_in import SwapInPlan
 
@@ -89,6 +99,7 @@ def attention_layer(
     sm_scale: float,
     implementation: str | None = None,
     record_plan: bool = False,
+    backup: bool = True,
 ):
     """One DSA layer's decode attention -> (state, f32[R, H, D], LayerStepInfo); D = latent_dim.
 
@@ -100,14 +111,17 @@ def attention_layer(
     padding, K <= B.
     Writes the newest row, swaps in the selected rows (HiSparseState), backs the newest row up
     to the host, and attends over the selected rows. record_plan keeps the swap-in plan in the
-    info, for a following shared_attention_layer. Traceable; call it inside the model's jitted,
+    info, for a following shared_attention_layer. backup=False leaves the backup of new_row to
+    the caller, who must run kv_cache_ops.backup_newest_rows before the next step (the reserved
+    slot holds the row until then). Traceable; call it inside the model's jitted,
     state-donating decode step. Raises ValueError on inconsistent static shapes.
     """
     _check_step_inputs(state, layer, query, new_row, positions, "topk", topk)
     new_row = state.layout.to_stored(new_row)  # packed once: the device slot and the backup get the same bits
     state = state.write_newest(layer, new_row, positions)
     state, plan = state.swap_in(layer, topk, lengths_from_positions(positions), implementation=implementation)
-    state = state.backup_newest(layer, new_row, positions, implementation=implementation)
+    if backup:
+        state = state.backup_newest(layer, new_row, positions, implementation=implementation)
     out = _attend(state, query, layer, plan, latent_dim, sm_scale, implementation)
     return state, out, LayerStepInfo(plan.num_hits, plan.num_misses, plan if record_plan else None)
 
@@ -133,22 +147,84 @@ def shared_attention_layer(
     latent_dim: int,
     sm_scale: float,
     implementation: str | None = None,
+    prefetched: jax.Array | None = None,  # row[R, K, W]: prefetch_shared_rows(state, layer, anchor)
+    backup: bool = True,
 ):
     """A layer that reuses its anchor's top-k (GLM IndexShare) -> (state, f32[R, H, D], LayerStepInfo).
 
     Arguments as attention_layer, with the anchor's LayerStepInfo (its plan: i32[R, K] slots)
-    in place of topk. The anchor's swap-in decisions hold for it too, so it replays the anchor's miss plan as a
-    copy-only kernel into its own buffer. Its own buffer_tokens / lru_slots rows are not
-    consulted: the anchor's govern both layers. The returned info carries the anchor's plan and
-    counters.
+    in place of topk. The anchor's swap-in decisions hold for it too, so it replays the anchor's
+    miss plan into its own buffer: from `prefetched` rows (fetched early, see
+    prefetch_shared_rows) when given, else as a copy-only kernel from the host pool now. Its own
+    buffer_tokens / lru_slots rows are not consulted: the anchor's govern both layers. backup as
+    attention_layer's. The returned info carries the anchor's plan and counters.
     """
     if anchor.plan is None:
         raise ValueError("shared_attention_layer needs the anchor's plan: call attention_layer(..., record_plan=True)")
     plan = anchor.plan
     _check_step_inputs(state, layer, query, new_row, positions, "anchor plan slots", plan.slots)
     new_row = state.layout.to_stored(new_row)
+    # write_newest first: it depends on this layer's input, which orders the in-place updates of
+    # the buffer after the previous layer's attention read it (else XLA would copy the buffer).
     state = state.write_newest(layer, new_row, positions)
-    state = state.replay_swap_in(layer, plan, implementation=implementation)
-    state = state.backup_newest(layer, new_row, positions, implementation=implementation)
+    if prefetched is not None:
+        state = state.replay_prefetched(layer, plan, prefetched)
+    else:
+        state = state.replay_swap_in(layer, plan, implementation=implementation)
+    if backup:
+        state = state.backup_newest(layer, new_row, positions, implementation=implementation)
     out = _attend(state, query, layer, plan, latent_dim, sm_scale, implementation)
     return state, out, LayerStepInfo(plan.num_hits, plan.num_misses, plan)
+
+
+# ---- shared-index prefetch ---------------------------------------------------------------------
+
+# The A/B switch (HISPARSE.md section 6): "stream" prefetches on a second GPU stream, "early" in
+# the main stream (XLA alone orders it), "off" (default, see shared_prefetch_mode) replays in line.
+SHARED_PREFETCH_ENV = "HISPARSE_SHARED_PREFETCH"
+SHARED_PREFETCH_MODES = ("stream", "early", "off", "stream_grouped")  # the last: experimental (decode_step)
+SIDE_STREAM = "gpu_stream:1"  # XLA's stream annotation (compute_on); the main stream is 0
+
+
+def shared_prefetch_mode(mode: str | None = None, implementation: str | None = None) -> str:
+    """The prefetch mode: `mode`, else $HISPARSE_SHARED_PREFETCH, else "off". "off" is the default
+    because on JAX 0.11.2 XLA schedules the side-stream call's start right before its done, so
+    nothing overlaps (H200, docs/perf/bench_overlap_h200_2026-12-01.json) while the staged rows
+    cost R x K rows of device memory per shared layer; "off" for the TPU kernels (no gather yet)
+    unless named. Raises ValueError for an unknown mode."""
+    chosen = mode or os.environ.get(SHARED_PREFETCH_ENV) or None
+    if chosen is None:
+        return "off"
+    if chosen != "off" and resolve_implementation(implementation) == "tpu":
+        raise ValueError(f"shared prefetch mode {chosen!r} needs the GPU / reference kernels: the TPU path has no gather yet")
+    if chosen not in SHARED_PREFETCH_MODES:
+        raise ValueError(f"shared prefetch mode must be one of {SHARED_PREFETCH_MODES}, got {chosen!r} (${SHARED_PREFETCH_ENV})")
+    return chosen
+
+
+def on_side_stream(fn, *arrays):
+    """fn(*arrays) as a computation XLA runs on SIDE_STREAM (an async call-start / call-done pair
+    on the GPU, so the main stream's kernels go on meanwhile; needs
+    --xla_gpu_experimental_stream_annotation where that flag defaults to false). Outputs land in
+    device memory. Elsewhere (CPU) the annotation is ignored and fn runs in line."""
+    return compute_on(compute_type=SIDE_STREAM, out_memory_spaces=jax.memory.Space.Device)(fn)(*arrays)
+
+
+def _in_line(fn, *arrays):
+    return fn(*arrays)
+
+
+def prefetch_shared_rows(state: KVState, layer, anchor: LayerStepInfo, *, implementation: str | None = None, mode: str = "stream"):
+    """The rows shared-index `layer` will replay from `anchor`'s plan, fetched now -> row[R, K, W]
+    (None for a FullKVState, which copies nothing). mode "stream": on SIDE_STREAM; "early": in
+    the main stream. Pass the result to shared_attention_layer(prefetched=...). The state's pool
+    must see no in-place write between this and that layer (call both with backup=False and back
+    up after the last layer); the state itself is unchanged, so nothing waits for the fetch until
+    the shared layer places its rows."""
+    if anchor.plan is None:
+        raise ValueError("prefetch_shared_rows needs the anchor's plan: call attention_layer(..., record_plan=True)")
+    if mode not in ("stream", "early"):
+        raise ValueError(f"prefetch_shared_rows mode must be 'stream' or 'early', got {mode!r}")
+    check_layer_index(layer, state.num_layers)
+    launch = on_side_stream if mode == "stream" else _in_line
+    return state.prefetch_misses(layer, anchor.plan, implementation=implementation, launch=launch)

@@ -1,4 +1,5 @@
-"""Request lifecycle on the KV state: admit, store prompt rows, advance, release.
+"""Request lifecycle on the KV state: admit, store prompt rows, back up a step's newest rows,
+advance, release.
 
 Each works on any KVState (HiSparseState or FullKVState; the state's own methods do what its
 memory mode needs) and is traceable: the engine jits them with the state donated and
@@ -11,6 +12,7 @@ width, P pages per request.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from hisparse_jax.state import KVState
@@ -44,6 +46,27 @@ def store_prefill_rows(state: KVState, layer, request, start, rows, prompt_len, 
     check_rank("rows", rows, 2, "[T, W]")
     state.layout.check_rows("rows", rows)
     return state.store_prefill_rows(layer, request, start, rows, prompt_len, implementation=implementation)
+
+
+def backup_newest_rows(state: KVState, rows, positions, *, implementation=None) -> KVState:
+    """Backs up every layer's newest row after the last layer of a decode step (the layers ran
+    with backup=False): rows is a sequence of L stored rows row[b, W] (layer l's at rows[l]) or
+    row[L, b, W]; positions i32[b], -1 inactive (skipped).
+
+    Why after the last layer: each backup writes the pinned pool in place, and XLA must order an
+    in-place write after every read of the pool it overwrites; per layer, the next layer's copy
+    (or a shared layer's prefetch) would wait for it. Here one barrier over the whole state orders
+    all of this step's copies and prefetches first, and nothing of this step waits for the
+    backups. The contract holds: the newest row stays in its device slot (the reserved slot B
+    once n > B) until the next step's write_newest, which comes after these writes.
+    """
+    check_rank("positions", positions, 1, "[b]")
+    if len(rows) != state.num_layers:
+        raise ValueError(f"rows holds {len(rows)} layers, expected the state's L = {state.num_layers}")
+    state = jax.lax.optimization_barrier(state)
+    for layer in range(state.num_layers):
+        state = state.backup_newest(layer, rows[layer], positions, implementation=implementation)
+    return state
 
 
 def advance(state: KVState, active) -> KVState:

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 from hisparse_jax import memory
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.row_layout import KVRowLayout
-from pallas_kernels.row_copy import copy_host_rows_to_buffer, write_rows_to_host
+from pallas_kernels.row_copy import copy_host_rows_to_buffer, gather_host_rows, write_rows_to_host
 from pallas_kernels.swap_in import SCRATCH_EMPTY  # the swap-in kernel owns its scratch's sentinel
 from pallas_kernels.swap_in import SwapInPlan, host_slots_of, swap_in_plan
 
@@ -174,6 +174,16 @@ class KVState(Protocol):
 
     def backup_newest(self, layer, new_row, positions, *, implementation=None) -> "KVState":
         """Makes new_row row[R, W] durable wherever the mode keeps every row (positions i32[R])."""
+        ...
+
+    def prefetch_misses(self, layer, plan: SwapInPlan, *, implementation=None, launch=None) -> jax.Array | None:
+        """The rows a shared-index `layer` will replay from another layer's plan, fetched now into
+        a new array (row[R, K, W], None when the mode copies nothing), through
+        `launch(fn, *arrays) -> fn(*arrays)` (the caller picks where it runs, e.g. a side stream)."""
+        ...
+
+    def replay_prefetched(self, layer, plan: SwapInPlan, rows) -> "KVState":
+        """replay_swap_in from rows prefetch_misses fetched (a device-to-device placement)."""
         ...
 
 
@@ -419,6 +429,27 @@ class HiSparseState:
         pool = write_rows_to_host(self.host_pool, layer, self.layout.to_stored(new_row), host_slot, implementation=implementation)
         return self.replace(host_pool=pool)
 
+    def prefetch_misses(self, layer, plan: SwapInPlan, *, implementation=None, launch=None) -> jax.Array:
+        """row[b, K, W]: the plan's missed rows of `layer` read from the pool now (the i-th miss
+        of request r at [r, i], i < plan.num_misses[r]). Only the pool and the plan go into
+        `launch`: no operand is written in place, so it may run beside kernels using the buffer.
+        Every in-place pool write must come after it (decode_step backs rows up after the last
+        layer)."""
+        launch = launch or (lambda fn, *arrays: fn(*arrays))
+        fetch = lambda pool, layer, host_slots, counts: gather_host_rows(  # noqa: E731
+            pool, layer, host_slots, counts, implementation=implementation, rows_per_program=self.copy_rows_per_program
+        )
+        return launch(fetch, self.host_pool, jnp.asarray(layer, jnp.int32), plan.miss_host_slots, plan.num_misses)
+
+    def replay_prefetched(self, layer, plan: SwapInPlan, rows) -> "HiSparseState":
+        """Scatters prefetched rows row[b, K, W] into `layer`'s buffer at the plan's miss slots
+        (device to device: ~10% of K rows per request at 0.9 overlap); entries past num_misses drop."""
+        b, K = plan.miss_device_slots.shape
+        take = jnp.arange(K)[None, :] < plan.num_misses[:, None]  # bool[b, K]
+        slot = jnp.where(take, plan.miss_device_slots, self.buffer_size + 1)  # i32[b, K]: past B1 drops
+        requests = jnp.broadcast_to(jnp.arange(b)[:, None], (b, K))
+        return self.replace(device_buffer=self.device_buffer.at[layer, requests, slot].set(rows, mode="drop"))
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -528,6 +559,14 @@ class FullKVState:
 
     def backup_newest(self, layer, new_row, positions, *, implementation=None) -> "FullKVState":
         """Nothing to back up: write_newest stored the row where it stays."""
+        return self
+
+    def prefetch_misses(self, layer, plan: SwapInPlan, *, implementation=None, launch=None) -> None:
+        """Nothing to fetch: every row is already on the device."""
+        return None
+
+    def replay_prefetched(self, layer, plan: SwapInPlan, rows) -> "FullKVState":
+        """Nothing to place."""
         return self
 
 

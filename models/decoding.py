@@ -18,6 +18,7 @@ stages the full context on the device; only the layer being computed holds its r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental.xla_metadata import set_xla_metadata
 
 from configs.model import DSAModelConfig
 from jax.sharding import Mesh, NamedSharding
@@ -35,10 +37,10 @@ from jax.sharding import PartitionSpec as P
 
 from hisparse_jax import memory
 from hisparse_jax import sharding as dp_sharding
-from hisparse_jax.attention_layer import attention_layer, shared_attention_layer
+from hisparse_jax.attention_layer import attention_layer, prefetch_shared_rows, shared_attention_layer, shared_prefetch_mode
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.host_pages import HostPageAllocator
-from hisparse_jax.kv_cache_ops import advance, begin_request, store_prefill_rows
+from hisparse_jax.kv_cache_ops import advance, backup_newest_rows, begin_request, store_prefill_rows
 from hisparse_jax.kv_cache_ops import move_request as kv_move_request
 from hisparse_jax.row_layout import KVRowLayout
 from hisparse_jax.state import FullKVState, HiSparseState, state_shardings
@@ -193,6 +195,8 @@ def decode_step(
     *,
     implementation: str | None = None,
     mesh: Mesh | None = None,
+    shared_prefetch: str | None = None,
+    defer_backup: bool = True,
 ) -> tuple[DecodeCache, jax.Array, StepTelemetry]:
     """One token for request slots 0 .. b - 1 -> (cache, logits f32[b, V], telemetry). Traceable;
     see ModelRunner for the jitted, cache-donating version. b (the batch bucket) may be less than
@@ -204,6 +208,18 @@ def decode_step(
     be distinct positions in [0, positions[r]], -1 padding. The indexers still score and select
     (telemetry.indexer_selected counts their choice), so a step with synthetic selection costs
     what a real one does.
+
+    Copies off the critical path (docs/architecture.md, "Overlap"): every layer's newest row is
+    backed up to the host pool after the last layer (kv_cache_ops.backup_newest_rows), and each
+    shared-index layer's rows are fetched as soon as its anchor's plan exists, on a second GPU
+    stream (attention_layer.prefetch_shared_rows). shared_prefetch: "stream", "early", "off"
+    (in-line replay) or "stream_grouped" (experimental: an XLA scheduling group around the
+    prefetches and the anchor's MLP); None reads $HISPARSE_SHARED_PREFETCH (default "off": on the
+    H200 XLA put each side-stream start right before its done, so nothing overlapped; see
+    docs/architecture.md). defer_backup=False
+    backs each row up in its own layer (the earlier behaviour; it forces prefetch "off": the
+    in-place pool writes would sit between the prefetches and their layers). Over a mesh the
+    layers keep their in-line replay and per-layer backup.
     """
     model: DSAForCausalLM = nnx.merge(graphdef, params)
     config = model.config
@@ -219,11 +235,18 @@ def decode_step(
     # The indexer kernels run on whole arrays; over a mesh XLA's partitionable einsum and top-k
     # keep each group's scoring on its own devices.
     indexer_implementation = implementation if mesh is None else "reference"
+    # Single device: backups after the last layer, shared layers prefetched (over a mesh the
+    # layer functions run per group in shard_map and keep their in-line copies and backups).
+    late_backup = mesh is None and defer_backup
+    prefetch = shared_prefetch_mode(shared_prefetch, implementation) if late_backup else "off"
+    deferred = dict(backup=False) if late_backup else {}
     anchor, hits, misses, indexer_selected = None, [], [], []
+    newest, prefetched = [], {}  # row[R, W] per layer; shared layer -> row[R, K, W] (or None)
     for l, layer in enumerate(model.layers):
         x = layer.input_layernorm(h)
         q_resid, query = layer.self_attn.queries(x, cos, sin)  # [R, Q], [R, H, W]
         new_row = layout.pack(*layer.self_attn.kv_row(x, cos, sin))  # row[R, W]
+        newest.append(new_row)
         if layer.self_attn.indexer is not None:
             j = config.indexer_cache_index(l)
             override = None if topk is None else topk[j]
@@ -231,17 +254,46 @@ def decode_step(
                 layer, x, q_resid, cos, sin, index_keys, key_scales, j, positions, override, indexer_implementation
             )  # fmt: skip
             indexer_selected.append(jnp.sum(indexer_choice >= 0, axis=1, dtype=jnp.int32))
-            shared_next = l + 1 < config.num_layers and config.indexer_types[l + 1] == "shared"
-            kv, out, anchor = attend_layer(kv, l, query, new_row, positions, selected, record_plan=shared_next, **attend)
+            shared = _shared_layers_after(config, l)
+            kv, out, anchor = attend_layer(kv, l, query, new_row, positions, selected, record_plan=bool(shared), **attend, **deferred)
             info = anchor
+            with _prefetch_group(prefetch, l, shared):
+                if prefetch != "off":  # the plan exists now: start every shared layer's copy
+                    for s in shared:
+                        prefetched[s] = prefetch_shared_rows(
+                            kv, s, anchor, implementation=implementation, mode="early" if prefetch == "early" else "stream"
+                        )
+                h = layer.finish(h, out)
         else:
-            kv, out, info = attend_shared(kv, l, query, new_row, positions, anchor, **attend)
-        h = layer.finish(h, out)
+            extra = dict(deferred, prefetched=prefetched.pop(l)) if prefetch != "off" else deferred
+            kv, out, info = attend_shared(kv, l, query, new_row, positions, anchor, **attend, **extra)
+            h = layer.finish(h, out)
         hits.append(info.num_hits)
         misses.append(info.num_misses)
+    if late_backup:
+        kv = backup_newest_rows(kv, newest, positions, implementation=implementation)
     kv = advance(kv, positions >= 0)
     cache = DecodeCache(kv, index_keys, key_scales)
     return cache, model.logits(h), StepTelemetry(jnp.stack(hits), jnp.stack(misses), jnp.stack(indexer_selected))
+
+
+def _prefetch_group(prefetch: str, layer: int, shared: tuple[int, ...]):
+    """"stream_grouped" (experimental): the prefetches and the anchor's o_proj + MLP in one XLA
+    scheduling group (_scheduling_group_id), asking the latency-hiding scheduler to place the
+    side-stream copies' start before that compute and their done after it."""
+    if prefetch != "stream_grouped" or not shared:
+        return contextlib.nullcontext()
+    return set_xla_metadata(_scheduling_group_id=str(layer))
+
+
+def _shared_layers_after(config: DSAModelConfig, layer: int) -> tuple[int, ...]:
+    """The shared-index layers that follow full layer `layer` and use its top-k (IndexShare)."""
+    shared = []
+    for l in range(layer + 1, config.num_layers):
+        if config.indexer_types[l] != "shared":
+            break
+        shared.append(l)
+    return tuple(shared)
 
 
 # ---- prefill --------------------------------------------------------------------------------------

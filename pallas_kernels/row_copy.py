@@ -2,6 +2,8 @@
 
   copy_host_rows_to_buffer: host pool -> device buffer, the rows a swap-in plan names. Used by
     the swap-in of a layer and, unchanged, by shared-index layers replaying their anchor's plan.
+  gather_host_rows: host pool -> a fresh device array [R, K, W], the rows a plan names. Used by
+    shared-index layers' prefetch, which may run on a second stream (it aliases nothing).
   write_rows_to_host: device rows -> host pool slots, in place. Used by the eager backup of the
     newest token and by prefill's direct-to-host writes.
 
@@ -123,21 +125,22 @@ def _copy_host_rows_kernel(
     miss_host_ref,  # i32[R, K]
     miss_device_ref,  # i32[R, K]
     pool_ref,  # row[L, S, W], pinned host
-    _buffer_in,  # aliased to buffer_ref
-    buffer_ref,  # row[L, R, B1, W] in/out
-    *,
+    *buffer_refs,  # (aliased input, output) row[L, R, B1, W] in/out; or the output alone (gather_host_rows)
     rows: int,
     request_block: int,
     interpret: bool,
     eviction_policy: str | None,
+    buffer_layer: int | None = None,  # the output's layer index when it is not `layer` (gather: 0)
 ):
     # Work item = `rows` consecutive plan entries of one request; items are numbered request by
     # request, and program p takes items p, p + G, p + 2G, ... (G programs). With no misses
     # anywhere every program exits after one load of num_misses.
+    buffer_ref = buffer_refs[-1]
     program, num_programs = pl.program_id(0), pl.num_programs(0)
     R, K = miss_host_ref.shape
     S, B1 = pool_ref.shape[1], buffer_ref.shape[2]
     layer = layer_ref[0]
+    out_layer = layer if buffer_layer is None else buffer_layer
     requests = jnp.arange(request_block, dtype=jnp.int32)  # i32[Rb]
     is_request = requests < R
     num = common.gather(num_misses_ref, (common.safe_index(requests, is_request, R),), is_request, 0)  # i32[Rb]
@@ -154,7 +157,7 @@ def _copy_host_rows_kernel(
         src = common.safe_index(common.gather(miss_host_ref, (r, safe_i), take, 0), take, S)  # i32[rows]
         dst = common.safe_index(common.gather(miss_device_ref, (r, safe_i), take, 0), take, B1)  # i32[rows]
         for offset, size, mask, values in _load_rows(pool_ref, layer, src, take, interpret, eviction_policy):
-            common.scatter(buffer_ref, common.row_block((layer, r), dst, offset, size, interpret), values, mask)
+            common.scatter(buffer_ref, common.row_block((out_layer, r), dst, offset, size, interpret), values, mask)
         return carry
 
     jax.lax.fori_loop(0, my_items, copy_item, 0)
@@ -233,6 +236,78 @@ def copy_host_rows_to_buffer(
             pool, device_buffer, jnp.asarray(layer, jnp.int32), miss_host, miss_device, num_misses, rows=rows_per_program
         )
     return copy_host_rows_to_buffer_reference(pool, device_buffer, layer, miss_host, miss_device, num_misses)
+
+
+# --------------------------------------------------------------------------------------------
+# host pool -> a fresh device array (shared-index prefetch)
+# --------------------------------------------------------------------------------------------
+
+
+def _check_gather_inputs(pool, layer, host_slots, counts) -> None:
+    """Static shape checks of the host -> fresh device array gather."""
+    check_rank("pool", pool, 3, "[L, S, W]")
+    check_rank("host_slots", host_slots, 2, "[R, K]")
+    check_rank("counts", counts, 1, "[R]")
+    check_equal("counts batch", counts.shape[0], "host_slots batch (R)", host_slots.shape[0])
+    check_layer_index(layer, pool.shape[0])
+
+
+def gather_host_rows_reference(pool, layer, host_slots, counts):
+    """The gather in jnp (the pool staged on the device first); shapes as gather_host_rows."""
+    _check_gather_inputs(pool, layer, host_slots, counts)
+    K = host_slots.shape[1]
+    take = jnp.arange(K)[None, :] < counts[:, None]  # bool[R, K]
+    return _stage_on_device(pool)[layer][jnp.where(take, host_slots, 0)]  # row[R, K, W]
+
+
+def gather_host_rows_pallas(pool, layer, host_slots, counts, *, rows=DEFAULT_ROWS_PER_PROGRAM, num_warps=4, programs=None):
+    """The copy kernel reading the pinned pool in place, writing entry i of request r to [r, i]
+    of a fresh (unaliased, never zeroed) output; shapes as gather_host_rows."""
+    _check_gather_inputs(pool, layer, host_slots, counts)
+    R, K = host_slots.shape
+    kernel = functools.partial(
+        _copy_host_rows_kernel,
+        rows=rows,
+        request_block=common.next_power_of_2(R),
+        interpret=common.interpret_mode(),
+        eviction_policy=None,
+        buffer_layer=0,
+    )
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((1, R, K, pool.shape[2]), pool.dtype),
+        grid=(copy_grid_size(R, K, rows, programs),),
+        in_specs=[common.any_spec()] * 5,
+        out_specs=common.any_spec(),
+        compiler_params=common.triton_params(num_warps=num_warps),
+        interpret=common.interpret_mode(),
+        name="hisparse_prefetch_host_rows",
+    )(
+        jnp.reshape(layer, (1,)).astype(jnp.int32),
+        counts.astype(jnp.int32),
+        host_slots,
+        jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (R, K)),  # i32[R, K]: entry i -> row i
+        pool,
+    )
+    return out[0]
+
+
+def gather_host_rows(pool, layer, host_slots, counts, *, implementation=None, rows_per_program=DEFAULT_ROWS_PER_PROGRAM):
+    """out[r, i] = pool[layer, host_slots[r, i]] for i < counts[r]: row[R, K, W], a new device array.
+
+    pool: row[L, S, W] (pinned host, read only); layer: int or i32[]; host_slots: i32[R, K];
+    counts: i32[R]. Rows of out past counts[r] are undefined: callers read only the first
+    counts[r]. What a shared-index layer's prefetch uses (HiSparseState.prefetch_misses): the
+    output aliases nothing, so XLA may run it on another stream while other kernels use the
+    device buffer. No TPU version yet: implementation="tpu" raises NotImplementedError.
+    """
+    _check_gather_inputs(pool, layer, host_slots, counts)
+    implementation = common.resolve_implementation(implementation)
+    if implementation == "tpu":
+        raise NotImplementedError("gather_host_rows has no TPU implementation; replay shared layers in line (prefetch 'off')")
+    if implementation == "pallas":
+        return gather_host_rows_pallas(pool, jnp.asarray(layer, jnp.int32), host_slots, counts, rows=rows_per_program)
+    return gather_host_rows_reference(pool, layer, host_slots, counts)
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 
 from hisparse_jax import kv_cache_ops
-from hisparse_jax.attention_layer import LayerStepInfo, attention_layer, jit_attention_layer, shared_attention_layer
+from hisparse_jax.attention_layer import (
+    LayerStepInfo,
+    attention_layer,
+    jit_attention_layer,
+    prefetch_shared_rows,
+    shared_attention_layer,
+    shared_prefetch_mode,
+)
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.row_layout import KVRowLayout
 from hisparse_jax.state import FullKVState, HiSparseState, jit_donating_state
@@ -67,31 +74,41 @@ def prefill(state, rows, prompt_lens, pages_per_request, implementation):
     return state
 
 
-def decode_step_fn(implementation, shared_second_layer=False):
+def decode_step_fn(implementation, shared_second_layer=False, *, prefetch=None, deferred_backup=False, skip_backup=False):
+    """A step over the L layers. prefetch ("stream" / "early"): layer 1 (shared) gets its rows
+    from prefetch_shared_rows, started right after layer 0's plan; deferred_backup: layers run
+    with backup=False and kv_cache_ops.backup_newest_rows backs every row up after the last
+    layer; skip_backup: no backup at all (to show the tests catch a missing one)."""
+    later = deferred_backup or skip_backup
+    kw = dict(latent_dim=LATENT, sm_scale=SCALE, implementation=implementation, backup=not later)
+
     def step(state, queries, new_rows, positions, topk):
         outs, hits, misses = [], [], []
-        info = None
+        info, prefetched = None, None
         for layer in range(L):
             if shared_second_layer and layer == 1:
                 state, out, info = shared_attention_layer(
-                    state, layer, queries[layer], new_rows[layer], positions, info,
-                    latent_dim=LATENT, sm_scale=SCALE, implementation=implementation,
+                    state, layer, queries[layer], new_rows[layer], positions, info, prefetched=prefetched, **kw
                 )
             else:
                 state, out, info = attention_layer(
-                    state, layer, queries[layer], new_rows[layer], positions, topk[layer],
-                    latent_dim=LATENT, sm_scale=SCALE, implementation=implementation, record_plan=shared_second_layer,
+                    state, layer, queries[layer], new_rows[layer], positions, topk[layer], record_plan=shared_second_layer, **kw
                 )
+                if prefetch and shared_second_layer:
+                    prefetched = prefetch_shared_rows(state, 1, info, implementation=implementation, mode=prefetch)
             outs.append(out)
             hits.append(info.num_hits)
             misses.append(info.num_misses)
+        if deferred_backup:
+            stored = [state.layout.to_stored(new_rows[layer]) for layer in range(L)]
+            state = kv_cache_ops.backup_newest_rows(state, stored, positions, implementation=implementation)
         state = kv_cache_ops.advance(state, positions >= 0)
         return state, jnp.stack(outs), jnp.stack(hits), jnp.stack(misses)
 
     return step
 
 
-def run_decode(implementation, dtype, layout_kind, *, steps, prompt_lens, select, shared_second_layer=False, seed=0):
+def run_decode(implementation, dtype, layout_kind, *, steps, prompt_lens, select, shared_second_layer=False, seed=0, **step_options):
     """Runs both memory modes over the same rows and selections; returns outputs and counters."""
     rng = np.random.default_rng(seed)
     total = max(prompt_lens) + steps
@@ -102,7 +119,7 @@ def run_decode(implementation, dtype, layout_kind, *, steps, prompt_lens, select
     pages_per_request = C // PAGE
     hisparse = prefill(hisparse, rows, prompt_lens, pages_per_request, implementation)
     full = prefill(full, rows, prompt_lens, pages_per_request, implementation)
-    step_fn = decode_step_fn(implementation, shared_second_layer)
+    step_fn = decode_step_fn(implementation, shared_second_layer, **step_options)
     step_hisparse = jit_donating_state(step_fn, hisparse, extra_outputs=3)
     step_full = jit_donating_state(step_fn, full, extra_outputs=3)
     positions = np.array(prompt_lens, np.int32)
@@ -227,6 +244,105 @@ def test_shared_layer_replays_anchor_plan(implementation, layout_kind):
         np.testing.assert_array_equal(out_h, out_f, err_msg=f"step {t}")
         misses += m.sum()
     assert misses > 0
+
+
+# ---- copies off the critical path: deferred backup, shared-layer prefetch ----------------------
+
+
+@pytest.mark.parametrize(
+    "implementation, layout_kind, prefetch",
+    [("reference", "float32", "stream"), ("pallas", "float32", "stream"), ("pallas", "fp8_e4m3", "early")],
+)
+def test_prefetched_shared_layer_and_deferred_backup_equal_no_offload(implementation, layout_kind, prefetch):
+    """Layer 1 (shared) places rows fetched right after layer 0's plan (on the side stream, or
+    early in the main one) and every newest row is backed up after the last layer: bit-identical
+    to no-offload, step after step. Host rows nothing wrote are NaN, so a row evicted before its
+    backup, or a prefetch that read the wrong rows, shows."""
+    prompt_lens, steps = [5, 20, 70], 12
+    results, rows, _, state = run_decode(
+        implementation, jnp.float32, layout_kind, steps=steps, prompt_lens=prompt_lens, select=recent_and_random,
+        shared_second_layer=True, seed=3, prefetch=prefetch, deferred_backup=True,
+    )  # fmt: skip
+    misses = 0
+    for t, (out_h, out_f, _, m, _, _) in enumerate(results):
+        assert np.all(np.isfinite(out_h)), f"step {t}: HiSparse read an unwritten (NaN) row"
+        np.testing.assert_array_equal(out_h, out_f, err_msg=f"step {t}")
+        misses += m.sum()
+    assert misses > 0
+    backed_up = decoded_host_rows(state, prompt_lens, steps)  # [L, R, steps, W]
+    expected = stored_values(rows, layout_kind)[:, np.arange(R)[:, None], np.array(prompt_lens)[:, None] + np.arange(steps)]
+    np.testing.assert_array_equal(backed_up, expected)
+
+
+def decoded_host_rows(state, prompt_lens, steps):
+    """[L, R, steps, W] values of the host pool rows of the positions decoded (prompt_len ..
+    prompt_len + steps - 1), read through the page table."""
+    pool, table = np.asarray(state.host_pool), np.asarray(state.host_page_table)
+    positions = np.array(prompt_lens)[:, None] + np.arange(steps)  # [R, steps]
+    slots = table[np.arange(R)[:, None], positions // PAGE] * PAGE + positions % PAGE
+    stored = jnp.asarray(pool[:, slots])  # row[L, R, steps, W]
+    latent, rope = state.layout.unpack(stored)
+    return np.concatenate([np.asarray(latent), np.asarray(rope)], axis=-1)
+
+
+def test_without_the_backup_decoded_rows_stay_unwritten():
+    """The check above can fail: with no backup at all, the decoded positions' host rows are
+    still the NaN the pool was created with."""
+    _, _, _, state = run_decode(
+        "reference", jnp.float32, "float32", steps=4, prompt_lens=[5, 20, 70], select=recent_and_random,
+        shared_second_layer=True, seed=3, skip_backup=True,
+    )  # fmt: skip
+    assert np.all(np.isnan(decoded_host_rows(state, [5, 20, 70], 4)))
+
+
+def test_backup_newest_rows_checks_its_layers(states):
+    with pytest.raises(ValueError, match=r"rows holds 1 layers, expected the state's L = 2"):
+        kv_cache_ops.backup_newest_rows(states["hisparse"], [jnp.zeros((R, W))], jnp.zeros((R,), jnp.int32))
+
+
+def test_shared_prefetch_mode(monkeypatch):
+    monkeypatch.delenv("HISPARSE_SHARED_PREFETCH", raising=False)
+    assert shared_prefetch_mode() == "off"  # until the H200 shows an overlap (docs/architecture.md)
+    monkeypatch.setenv("HISPARSE_SHARED_PREFETCH", "stream")
+    assert shared_prefetch_mode() == "stream"
+    with pytest.raises(ValueError, match=r"the TPU path has no gather yet"):
+        shared_prefetch_mode(implementation="tpu")
+    monkeypatch.setenv("HISPARSE_SHARED_PREFETCH", "off")
+    assert shared_prefetch_mode() == "off"
+    assert shared_prefetch_mode("early") == "early"
+    with pytest.raises(ValueError, match=r"shared prefetch mode must be one of"):
+        shared_prefetch_mode("sideways")
+
+
+def test_prefetch_checks_the_anchor(states):
+    with pytest.raises(ValueError, match=r"prefetch_shared_rows needs the anchor's plan"):
+        prefetch_shared_rows(states["hisparse"], 1, LayerStepInfo(jnp.zeros(R), jnp.zeros(R), None))
+
+
+def test_glm_decode_step_prefetches_on_a_side_stream_without_copies(monkeypatch):
+    """tiny_glm (full, full, shared, full, shared): the decode step lowers one side-stream call
+    per shared layer (compute_on "gpu_stream:1"), and the compiled step copies neither the host
+    pool nor the device buffer (a prefetch or backup XLA could not order in place would)."""
+    from flax import nnx
+
+    from configs.model import DSAModelConfig
+    from hisparse_jax import memory
+    from models.decoder import DSAForCausalLM
+    from models.decoding import ModelRunner
+
+    monkeypatch.setenv("HISPARSE_SHARED_PREFETCH", "stream")
+    config = DSAModelConfig.tiny_glm()
+    runner = ModelRunner(DSAForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0)), implementation="pallas")
+    cache = runner.create_cache(num_requests=2, max_context=64, hisparse=HiSparseConfig(top_k=config.index_topk), page_size=8)
+    tokens = jnp.zeros(2, jnp.int32)
+    lowered = runner._jitted(cache)["decode"].lower(runner.params, cache, tokens, tokens, None)
+    calls = [line for line in lowered.as_text().splitlines() if "call @compute_on" in line and '_xla_stream_annotation = "1"' in line]
+    assert len(calls) == config.indexer_types.count("shared")
+    compiled = lowered.compile().as_text()
+    for array in (cache.kv.host_pool, cache.kv.device_buffer):
+        shape = f"{jnp.dtype(array.dtype).name.replace('float', 'f')}[{','.join(map(str, array.shape))}]"
+        assert shape in compiled
+        assert memory.hlo_copy_lines(compiled, shape) == []
 
 
 def test_one_jitted_layer_step_serves_every_layer():
