@@ -43,6 +43,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -63,6 +64,7 @@ PARSER.add_argument("--trace_steps", type=int, default=3)
 PARSER.add_argument("--phases", default="tiny_check,baseline,off,stream,early,eager")
 PARSER.add_argument("--lhs", type=int, default=1, help="--xla_gpu_enable_latency_hiding_scheduler")
 PARSER.add_argument("--time_budget_s", type=float, default=300.0, help="skip phases past this")
+PARSER.add_argument("--tiny_modes", default="stream", help="phases tiny_check compares with no offload")
 ARGS = PARSER.parse_args()
 
 HLO_DIR = "/tmp/bench_overlap_hlo"
@@ -101,6 +103,12 @@ PHASE_MODES = {
     "eager": ("off", False, None), "stream_grouped": ("stream_grouped", True, None),
     "stream_grouped_nocb": ("stream_grouped", True, {"xla_gpu_enable_command_buffer": ""}),
     "stream_nocb": ("stream", True, {"xla_gpu_enable_command_buffer": ""}),
+    # the side-stream fetch with the latency-hiding scheduler off (XLA's memory scheduler then
+    # moves async starts as early and dones as late as it can) or with the approximate
+    # latency estimator in place of the speed-of-light one (which prices a non-collective
+    # async call at a kernel launch)
+    "stream_nolhs": ("stream", True, {"xla_gpu_enable_latency_hiding_scheduler": False}),
+    "stream_nosol": ("stream", True, {"xla_gpu_enable_analytical_sol_latency_estimator": False}),
 }  # fmt: skip
 
 
@@ -246,6 +254,44 @@ def hlo_files() -> set[str]:
     return set(glob.glob(os.path.join(HLO_DIR, "*decode_step*after_optimizations.txt")))
 
 
+_TRIVIAL_OPS = {"parameter", "constant", "get-tuple-element", "bitcast", "tuple", "opt-barrier"}
+
+
+def async_schedule(text: str) -> list[dict]:
+    """Per async-start of the scheduled HLO: its stream annotation, scheduling group, and how
+    many instructions (and fusions / custom calls) the schedule puts between it and its done."""
+    out, comp, lines = [], None, []
+    blocks = []
+    for line in text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            comp, lines = line.split("(")[0].split()[-1], []
+        elif line.startswith("}") and comp is not None:
+            blocks.append((comp, lines))
+            comp = None
+        elif comp is not None and " = " in line:
+            lines.append(line.strip().removeprefix("ROOT "))
+    for comp, body in blocks:
+        names = [b.split(" = ")[0] for b in body]
+        ops = []
+        for b in body:
+            m = re.search(r"\s([a-z][a-z0-9\-]*)\(", b.split(" = ", 1)[1] if " = " in b else b)
+            ops.append(m.group(1) if m else "?")
+        for i, (name, op) in enumerate(zip(names, ops)):
+            if op != "async-start":
+                continue
+            done = next((j for j in range(i + 1, len(body)) if ops[j] == "async-done" and f"({name})" in body[j].replace(" ", "")), None)
+            if done is None:
+                continue
+            between = ops[i + 1 : done]
+            attr = lambda key: (re.search(key + r'="([^"]*)"', body[i]) or [None, None])[1]  # noqa: E731
+            out.append(dict(
+                computation=comp, start=name, stream=attr("_xla_stream_annotation"), group=attr("_scheduling_group_id"),
+                between=sum(o not in _TRIVIAL_OPS for o in between),
+                kernels_between=sum(o in ("fusion", "custom-call", "call", "async-start", "while") for o in between),
+            ))  # fmt: skip
+    return out
+
+
 def hlo_summary(path: str, cache) -> dict:
     """What the optimised decode HLO holds: async stream ops, copies of the pool / buffer."""
     text = open(path).read()
@@ -254,6 +300,11 @@ def hlo_summary(path: str, cache) -> dict:
     out["async_start"] = text.count("async-start(")
     out["stream_annotated_lines"] = sum("_xla_stream_annotation" in line for line in text.splitlines())
     out["operation_queue_id_nonzero"] = sum('"operation_queue_id":"1"' in line or "operation_queue_id\":1" in line for line in text.splitlines())
+    out["scheduling_group_lines"] = sum("_scheduling_group_id" in line for line in text.splitlines())
+    try:
+        out["async_schedule"] = async_schedule(text)
+    except Exception as error:  # the summary stands without it
+        out["async_schedule"] = repr(error)
     kv = cache.kv
     for name in ("host_pool", "device_buffer", "kv"):
         array = getattr(kv, name, None)
@@ -350,13 +401,18 @@ def tiny_check() -> dict:
     prompts = np.random.default_rng(1).integers(0, config.vocab_size, (2, 33)).astype(np.int32)
     out = {}
     base = generate(ModelRunner(model), prompts, 8, fill_value=np.nan)
-    for mode in ("stream",):
-        got = generate(runner_for(model, mode, True, "auto"), prompts, 8, hisparse=HiSparseConfig(top_k=8, device_buffer_size=10),
-                       page_size=8, fill_value=np.nan)  # fmt: skip
-        out[mode] = dict(
+    for phase in [m.strip() for m in ARGS.tiny_modes.split(",") if m.strip()]:
+        mode, _, options = PHASE_MODES[phase]
+        got = generate(runner_for(model, mode, True, "auto", compiler_options=options), prompts, 8,
+                       hisparse=HiSparseConfig(top_k=8, device_buffer_size=10), page_size=8, fill_value=np.nan)  # fmt: skip
+        out[phase] = dict(
             finite=bool(np.isfinite(got.logits).all()), tokens_equal=bool(np.array_equal(got.tokens, base.tokens)),
+            logits_bit_equal=bool(np.array_equal(got.logits, base.logits)),
             logits_max_abs_diff=float(np.abs(got.logits - base.logits).max()), misses=int(got.num_misses.sum()),
         )  # fmt: skip
+        if mode == "stream_grouped":  # the same MLP placement without offload: bit-identical by construction
+            same = generate(runner_for(model, mode, True, "auto", compiler_options=options), prompts, 8, fill_value=np.nan)
+            out[phase]["logits_bit_equal_no_offload_same_mode"] = bool(np.array_equal(got.logits, same.logits))
     log("tiny_check:", out)
     return out
 
