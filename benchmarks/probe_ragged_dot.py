@@ -35,7 +35,12 @@ PARSER.add_argument("--top", type=int, default=8)
 PARSER.add_argument("--hidden", type=int, default=7168)
 PARSER.add_argument("--intermediate", type=int, default=2048)
 PARSER.add_argument("--calls", type=int, default=20)
+PARSER.add_argument("--precision", default="default", choices=("default", "highest"),
+                    help="lax.Precision of the ragged dots (models/moe.py passes HIGHEST)")
 ARGS = PARSER.parse_args()
+
+
+PRECISION = jax.lax.Precision.HIGHEST if ARGS.precision == "highest" else None
 
 
 def moe_ragged(x, gate, up, down, experts):
@@ -44,8 +49,9 @@ def moe_ragged(x, gate, up, down, experts):
     order = jnp.argsort(experts.reshape(-1), stable=True)  # i32[M]
     sizes = jnp.bincount(experts.reshape(-1), length=E).astype(jnp.int32)  # i32[E]
     xs = x[order // X]  # bf16[M, D]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)  # bf16[M, F]
-    return jax.lax.ragged_dot(h, down, sizes, preferred_element_type=jnp.float32)  # f32[M, D]
+    dot = lambda lhs, rhs, **kw: jax.lax.ragged_dot(lhs, rhs, sizes, precision=PRECISION, **kw)  # noqa: E731
+    h = jax.nn.silu(dot(xs, gate)) * dot(xs, up)  # bf16[M, F]
+    return dot(h, down, preferred_element_type=jnp.float32)  # f32[M, D]
 
 
 def main():
@@ -56,7 +62,7 @@ def main():
     up = (jax.random.normal(keys[1], (E, D, F)) * scale(D)).astype(jnp.bfloat16)  # bf16[E, D, F]
     down = (jax.random.normal(keys[2], (E, F, D)) * scale(F)).astype(jnp.bfloat16)  # bf16[E, F, D]
     fn = jax.jit(moe_ragged)
-    result = dict(xla_flags=os.environ.get("XLA_FLAGS", ""), device=str(jax.devices()[0]), sizes=[])
+    result = dict(xla_flags=os.environ.get("XLA_FLAGS", ""), precision=ARGS.precision, device=str(jax.devices()[0]), sizes=[])
     outputs = {}
     for T in (int(t) for t in ARGS.tokens.split(",")):
         kx, ke = jax.random.split(jax.random.fold_in(keys[3], T))
