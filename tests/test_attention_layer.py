@@ -319,6 +319,7 @@ def test_prefetch_checks_the_anchor(states):
         prefetch_shared_rows(states["hisparse"], 1, LayerStepInfo(jnp.zeros(R), jnp.zeros(R), None))
 
 
+@pytest.mark.slow  # ~29 s; the side-stream prefetch is opt-in (HISPARSE_SHARED_PREFETCH)
 def test_glm_decode_step_prefetches_on_a_side_stream_without_copies(monkeypatch):
     """tiny_glm (full, full, shared, full, shared): the decode step lowers one side-stream call
     per shared layer (compute_on "gpu_stream:1"), and the compiled step copies neither the host

@@ -77,6 +77,7 @@ def test_prompt_logits(golden, prompt_pass):
     assert np.abs(logits - golden["logits"]).max() <= RTOL * scale  # measured 8.4e-7 x scale
 
 
+@pytest.mark.slow  # CI time, ~24 s; test_cached_decoding checks the same greedy tokens and logits
 def test_greedy(model, golden):
     tokens, logits = greedy_no_cache(model, jnp.asarray(golden["input_ids"]), golden["greedy_tokens"].shape[1])
     np.testing.assert_array_equal(tokens, golden["greedy_tokens"])
@@ -95,6 +96,7 @@ def test_cached_decoding(model, golden, by_steps):
     assert np.abs(logits - golden["greedy_logits"]).max() <= RTOL * np.abs(golden["greedy_logits"]).max()  # 9.5e-7 x
 
 
+@pytest.mark.slow  # CI time, ~40 s; test_cached_decoding and the run_decode fixture runs cover prefill
 def test_prefill_cache_equals_stepped_cache(model, golden):
     prompts = jnp.asarray(golden["input_ids"][:, :45])  # ends mid-window for both CSA and HCA
     graphdef, state = nnx.split(model)
@@ -110,6 +112,7 @@ def test_prefill_cache_equals_stepped_cache(model, golden):
             np.testing.assert_allclose(a, b, atol=2e-5, err_msg=f"{field}[{i}]")
 
 
+@pytest.mark.slow  # CI time, ~48 s; run_decode's fixture run with HiSparse and the engine's NaN-filled serving test cover it
 def test_hisparse_c4_offload(model, golden):
     """The CSA entries (C4) in the pinned host pool, a 10-slot device buffer for top-8 (so rows
     are evicted and copied back), unwritten rows and the dropped device copies NaN: the greedy
@@ -125,6 +128,7 @@ def test_hisparse_c4_offload(model, golden):
     assert misses[0].min() > 0 and misses[1:].sum() > 0  # the first step copies the whole top-k, later ones some
 
 
+@pytest.mark.slow  # CI time, ~22 s; the serving test builds a random V4 too
 def test_random_init_runs():
     config = DeepseekV4Config.tiny().replace(num_layers=3, layer_types=(SLIDING, CSA, HCA), mlp_layer_types=("hash_moe", "moe", "moe"))
     model = DeepseekV4ForCausalLM(config, rngs=nnx.Rngs(0))

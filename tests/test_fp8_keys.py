@@ -240,9 +240,9 @@ def test_device_footprint_counts_fp8_keys_and_rows_by_hand():
 
 def test_kv_cache_dtype_flag_is_checked_in_both_modes():
     for mode in (validation.SERVING, validation.CHECKPOINT_DECODING):
-        validation.check_flags(mode, {"kv_cache_dtype": FP8, "checkpoint": None}, {"kv_cache_dtype"})
+        validation.check_flags(mode, {"kv_cache_dtype": FP8, "checkpoint": None, "model": "tiny"}, {"kv_cache_dtype"})
         with pytest.raises(UsageError, match=r"--kv_cache_dtype='int4': use one of \('auto', 'bfloat16', 'fp8_e4m3'\)"):
-            validation.check_flags(mode, {"kv_cache_dtype": "int4", "checkpoint": None}, {"kv_cache_dtype"})
+            validation.check_flags(mode, {"kv_cache_dtype": "int4", "checkpoint": None, "model": "tiny"}, {"kv_cache_dtype"})
     from hisparse_jax.serving.cli import ServingArgs
 
     assert ServingArgs(kv_cache_dtype=FP8).kv_cache_dtype == FP8
@@ -250,6 +250,7 @@ def test_kv_cache_dtype_flag_is_checked_in_both_modes():
         ServingArgs(kv_cache_dtype="fp8_e5m2")
 
 
+@pytest.mark.slow  # ~20 s; the flag checks and the in-process fp8-key tests stay in the default run
 def test_run_decode_decodes_a_checkpoint_with_fp8_keys(tmp_path, glm, golden):
     output = tmp_path / "out.npz"
     done = subprocess.run(

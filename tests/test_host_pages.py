@@ -67,14 +67,14 @@ def test_allocate_and_free_cost_the_pages_touched_not_the_pool():
     try:
         for _ in range(200):
             victim = live.pop(int(rng.integers(len(live))))
-            begin = time.perf_counter()
+            begin = time.thread_time()  # this thread's CPU time: a preempted call does not count
             pages.free(victim)
-            times.append(time.perf_counter() - begin)
+            times.append(time.thread_time() - begin)
             live.append(pages.allocate(size()))
     finally:
         gc.enable()
-    # Generous for a loaded 2-core machine (a preempted call can take milliseconds, so no bound
-    # on the slowest one), yet several times below the old allocator's best.
+    # CPU time, so a loaded machine (parallel test workers) does not fail it; generous, yet
+    # several times below the old allocator's best.
     median, p95 = np.percentile(times, [50, 95])
     assert median < 1e-3 and p95 < 2e-3, f"free: median {median * 1e3:.2f} ms, p95 {p95 * 1e3:.2f} ms"
     held = np.concatenate(live)

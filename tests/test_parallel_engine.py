@@ -20,6 +20,7 @@ TINY = DSAModelConfig.tiny()
 HISPARSE = HiSparseConfig(top_k=16, device_buffer_size=20, host_to_device_ratio=8)
 
 
+@pytest.mark.slow  # ~56 s on 2 cores; tests/test_sharding.py and test_parallel_models.py cover the sharded step
 def test_dp_attention_engine_equals_single_device(monkeypatch):
     model = DSAForCausalLM(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(1)

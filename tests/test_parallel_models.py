@@ -32,7 +32,7 @@ def fixture(request):
 
 
 @pytest.mark.parametrize("parallel", [DP2_TP2, pytest.param(REPLICAS, marks=pytest.mark.slow)], ids=["dp_attention", "replicas"])
-@pytest.mark.parametrize("hisparse", [False, True], ids=["hisparse_off", "hisparse_on"])
+@pytest.mark.parametrize("hisparse", [pytest.param(False, marks=pytest.mark.slow), True], ids=["hisparse_off", "hisparse_on"])
 def test_sharded_decoding_equals_single_device_and_reference(fixture, parallel, hisparse):
     golden, model = fixture
     top_k = model.config.index_topk

@@ -58,6 +58,7 @@ def test_random_plan_cases_match_oracle(case):
     assert_matches_oracle(plan, tokens, new_lru, oracle_batch(bt, lru, topk, lengths, C_RAND))
 
 
+@pytest.mark.slow  # ~15 s in interpret mode; the SGLang cases and the fp8 decode steps cover the TPU plan
 def test_many_consecutive_plan_steps_equal_reference_and_oracle(monkeypatch):
     """test_swap_in's 60-step run (fast path, transition, evictions), the TPU kernel carrying
     its own state beside the reference's."""
@@ -213,12 +214,12 @@ def device_pool_states(make_states):
 @pytest.mark.parametrize(
     "dtype, layout_kind, shared_second_layer",
     [
-        # fp8 rows (the most kernel paths) and the shared-layer replay in the default run; the
-        # plain-row cases (~30 s each in interpret mode) under -m slow.
+        # fp8 rows (the most kernel paths) in the default run; the plain-row cases and the
+        # shared-layer replay (~30 s each in interpret mode) under -m slow.
         pytest.param(jnp.float32, "float32", False, marks=pytest.mark.slow),
         pytest.param(jnp.bfloat16, "bfloat16", False, marks=pytest.mark.slow),
         (jnp.float32, "fp8_e4m3", False),
-        (jnp.float32, "float32", True),
+        pytest.param(jnp.float32, "float32", True, marks=pytest.mark.slow),
     ],
 )
 def test_decode_steps_equal_reference_implementation(monkeypatch, dtype, layout_kind, shared_second_layer):
