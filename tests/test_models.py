@@ -177,7 +177,7 @@ def test_run_decode_reproduces_the_fixture(tmp_path):
         assert_logits_close(data["logits"], golden["greedy_logits"])
 
 
-@pytest.mark.parametrize("implementation, override", [("reference", False), ("pallas", True)])
+@pytest.mark.parametrize("implementation, override", [pytest.param("reference", False, marks=pytest.mark.slow), ("pallas", True)])  # CI time
 def test_compiled_decode_step_holds_no_copy_of_the_host_pool_or_key_cache(implementation, override):
     # The swap-in copy reads the pool that the backup then writes in place; unless that write
     # is ordered after the read, XLA keeps the old pool alive by copying all of it every step

@@ -41,8 +41,7 @@ def assert_refused(done, message):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr
 
 
-# HiSparse off is what the library tests check against the fixtures too; its run_decode pass is slow-only.
-@pytest.mark.parametrize("hisparse", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["hisparse", "no_offload"])
+@pytest.mark.parametrize("hisparse", [True, False], ids=["hisparse", "no_offload"])
 @pytest.mark.parametrize("fixture", sorted(CASES))
 def test_run_decode_reproduces_the_fixture(tmp_path, fixture, hisparse):
     checkpoint = os.path.join(FIXTURES, fixture)

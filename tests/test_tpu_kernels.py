@@ -214,11 +214,11 @@ def device_pool_states(make_states):
 @pytest.mark.parametrize(
     "dtype, layout_kind, shared_second_layer",
     [
-        # fp8 rows (the most kernel paths) in the default run; the plain-row cases and the
-        # shared-layer replay (~30 s each in interpret mode) under -m slow.
+        # All under -m slow (30-50 s each in interpret mode; CI time): the kernel tests above
+        # compare every TPU kernel with its reference.
         pytest.param(jnp.float32, "float32", False, marks=pytest.mark.slow),
         pytest.param(jnp.bfloat16, "bfloat16", False, marks=pytest.mark.slow),
-        (jnp.float32, "fp8_e4m3", False),
+        pytest.param(jnp.float32, "fp8_e4m3", False, marks=pytest.mark.slow),
         pytest.param(jnp.float32, "float32", True, marks=pytest.mark.slow),
     ],
 )
