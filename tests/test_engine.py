@@ -321,6 +321,8 @@ def test_synthetic_selection_depends_on_the_request_not_its_slot():
         np.testing.assert_array_equal(in_a[:, 0], in_b[:, 1])
 
 
+@pytest.mark.slow  # ~31 s on 2 cores (CI time); the selector tests above and the compiled-step test in
+# tests/test_models.py (top-k override, no copies) stay in the default run
 def test_synthetic_selection_engine_runs_are_labelled_and_mode_independent(runner, workload):
     results = {}
     for hisparse, budget in ((HISPARSE, None), (None, DeviceFootprint.of(TINY, jnp.float32, None).request_bytes(CONTEXT))):

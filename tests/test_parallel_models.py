@@ -23,7 +23,8 @@ DP2_TP2 = ParallelConfig(tp_size=4, dp_size=2, enable_dp_attention=True)
 REPLICAS = ParallelConfig(tp_size=2, dp_size=2)  # two tensor-parallel replicas, no dp attention
 
 
-@pytest.fixture(scope="module", params=["deepseek_v32_tiny", "glm_moe_dsa_tiny"])
+# GLM under -m slow (CI time, ~40 s): tests/test_sharding.py covers the sharded layer step for both.
+@pytest.fixture(scope="module", params=["deepseek_v32_tiny", pytest.param("glm_moe_dsa_tiny", marks=pytest.mark.slow)])
 def fixture(request):
     path = os.path.join(FIXTURES, request.param)
     with np.load(os.path.join(path, "golden.npz")) as data:

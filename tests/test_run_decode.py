@@ -51,7 +51,7 @@ def test_default_command_serves_and_writes_results_and_plots(tmp_path):
     assert "hisparse / baseline output throughput" in done.stdout and "Traceback" not in done.stderr
 
 
-@pytest.mark.slow  # ~37 s on 2 cores; tests/test_engine.py runs the engine with the synthetic selection and checks its labels
+@pytest.mark.slow  # ~37 s on 2 cores (CI time), as the engine-level synthetic runs in tests/test_engine.py
 def test_synthetic_selection_outputs_are_labelled_apart(tmp_path):
     done = run_decode(f"--output_dir={tmp_path}", "--synthetic_topk_overlap=0.9", "--num_prompts=4", "--random_input_len=64",
                       "--max_concurrency=4", "--device_buffer_sweep=", "--nocompare_baseline", "--noprogress")  # fmt: skip
