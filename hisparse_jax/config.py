@@ -5,6 +5,13 @@
 
 Defaults follow SGLang: top_k 2048, device_buffer_size 2 * top_k, host_to_device_ratio 2,
 swap_in_block_size 960. Every error names the offending field.
+
+Dynamic residency (SGLang's / vLLM's hybrid HiSparse) is an optional nested object:
+
+    {"top_k": 2048, "dynamic_residency": {"mode": "adaptive",
+                                          "promote_watermark": 0.5, "demote_watermark": 0.1}}
+
+Absent, every request is host-backed (the plain hot buffer); see ResidencyConfig.
 """
 
 from __future__ import annotations
@@ -31,6 +38,51 @@ def _require_positive_int(name: str, value: Any) -> None:
         raise HiSparseConfigError(f"{name} must be positive, got {value}")
 
 
+RESIDENCY_MODES = ("adaptive", "forced_resident", "forced_host_backed")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidencyConfig:
+    """Which requests keep their whole KV on the device (hisparse_jax.serving.residency).
+
+    mode: "adaptive" - a request is promoted to resident (its context copied into device pages
+      once; then no plan and no copy) while free device pages stay above promote_watermark after
+      the promotion, and residents are demoted back to host-backed (nothing copied) when free
+      pages fall below demote_watermark or a new request needs its buffer;
+      "forced_resident" - every request resident from admission, which waits for its pages;
+      "forced_host_backed" - every request host-backed, on the paged pool (for comparisons).
+    promote_watermark, demote_watermark: fractions of the device pool's pages, 0 <= demote <=
+      promote <= 1.
+    """
+
+    mode: str = "adaptive"
+    promote_watermark: float = 0.5
+    demote_watermark: float = 0.1
+
+    def __post_init__(self):
+        if self.mode not in RESIDENCY_MODES:
+            raise HiSparseConfigError(f"dynamic_residency.mode must be one of {list(RESIDENCY_MODES)}, got {self.mode!r}")
+        for name in ("promote_watermark", "demote_watermark"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise HiSparseConfigError(f"dynamic_residency.{name} must be a number in [0, 1], got {value!r}")
+        if self.demote_watermark > self.promote_watermark:
+            raise HiSparseConfigError(
+                f"dynamic_residency.demote_watermark ({self.demote_watermark}) must not exceed promote_watermark"
+                f" ({self.promote_watermark})"
+            )
+
+    @classmethod
+    def from_dict(cls, values) -> "ResidencyConfig":
+        if not isinstance(values, Mapping):
+            raise HiSparseConfigError(f"dynamic_residency must be a JSON object, got {type(values).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise HiSparseConfigError(f"unknown dynamic_residency field(s) {unknown}; expected some of {sorted(known)}")
+        return cls(**values)
+
+
 @dataclasses.dataclass(frozen=True)
 class HiSparseConfig:
     """What HiSparse needs to size and run its buffers.
@@ -48,10 +100,16 @@ class HiSparseConfig:
     device_buffer_size: int = 2 * _DEFAULT_TOP_K
     host_to_device_ratio: int = _DEFAULT_HOST_TO_DEVICE_RATIO
     swap_in_block_size: int = _DEFAULT_SWAP_IN_BLOCK_SIZE
+    dynamic_residency: ResidencyConfig | None = None  # None: every request host-backed
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            _require_positive_int(field.name, getattr(self, field.name))
+            if field.name != "dynamic_residency":
+                _require_positive_int(field.name, getattr(self, field.name))
+        if isinstance(self.dynamic_residency, Mapping):  # to_json's nested object read back
+            object.__setattr__(self, "dynamic_residency", ResidencyConfig.from_dict(self.dynamic_residency))
+        if self.dynamic_residency is not None and not isinstance(self.dynamic_residency, ResidencyConfig):
+            raise HiSparseConfigError(f"dynamic_residency must be a JSON object, got {self.dynamic_residency!r}")
         if self.device_buffer_size < self.top_k:
             raise HiSparseConfigError(
                 f"device_buffer_size ({self.device_buffer_size}) must be >= top_k ({self.top_k}):"

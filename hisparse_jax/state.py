@@ -68,6 +68,8 @@ _REQUEST_DIM = {
     "seq_lens": 0,
     "swap_in_scratch": 0,
     "kv": 1,
+    "device_page_table": 0,  # hisparse_jax.paged_state
+    "resident": 0,
 }
 
 
@@ -319,9 +321,15 @@ class HiSparseState:
         B = self.buffer_size
         preload = valid & (prompt_len <= B)
         target = jnp.where(preload, positions, B + 1)  # dropped unless preloading
-        device_buffer = self.device_buffer.at[layer, request, target].set(rows, mode="drop")
+        device_buffer = self._write_prefill_device_rows(layer, request, positions, rows, preload, valid)
         buffer_tokens = self.buffer_tokens.at[layer, request, target].set(positions, mode="drop")
         return self.replace(host_pool=pool, device_buffer=device_buffer, buffer_tokens=buffer_tokens)
+
+    def _write_prefill_device_rows(self, layer, request, positions, rows, preload, valid) -> jax.Array:
+        """device_buffer with prompt rows row[T, W] preloaded into slot = position where
+        `preload` (bool[T]); valid bool[T]: positions inside the prompt."""
+        target = jnp.where(preload, positions, self.buffer_size + 1)  # dropped unless preloading
+        return self.device_buffer.at[layer, request, target].set(rows, mode="drop")
 
     def end_request(self, request) -> "HiSparseState":
         """Clears the slot's page table row and buffer, and its seq_len."""
@@ -371,15 +379,24 @@ class HiSparseState:
             part.swap_in_scratch,
             layer if part is self else 0,
             topk,
-            lengths,
+            self._planned_lengths(lengths),
             part.host_page_table,
             page_size=self.page_size,
             implementation=implementation,
         )
+        plan = self._plan_in_device_rows(plan, topk)
         state = self.replay_swap_in(layer, plan, implementation=implementation)
         if part is not self:
             return state._put_layer_batch(layer, buffer_tokens, lru_slots, scratch), plan
         return state.replace(buffer_tokens=buffer_tokens, lru_slots=lru_slots, swap_in_scratch=scratch), plan
+
+    def _planned_lengths(self, lengths) -> jax.Array:
+        """i32[b]: the lengths the plan sees (a subclass may plan some requests as inactive)."""
+        return lengths
+
+    def _plan_in_device_rows(self, plan: SwapInPlan, topk) -> SwapInPlan:
+        """The plan with its slots as indices of device_rows (here they already are)."""
+        return plan
 
     def _layer_batch(self, layer, b) -> "HiSparseState":
         """The plan's inputs for slots 0 .. b - 1 of `layer`, as a one-layer, b-slot state."""

@@ -43,6 +43,7 @@ from hisparse_jax.host_pages import HostPageAllocator
 from hisparse_jax.kv_cache_ops import advance, backup_newest_rows, begin_request, store_prefill_rows
 from hisparse_jax.kv_cache_ops import move_request as kv_move_request
 from hisparse_jax.row_layout import KVRowLayout
+from hisparse_jax.paged_state import PagedHiSparseState
 from hisparse_jax.state import FullKVState, HiSparseState, state_shardings
 from models import families, inputs, rope
 from models.decoder import DSAForCausalLM, DecoderLayer
@@ -58,7 +59,7 @@ DEFAULT_PREFILL_CHUNK = 128
 class DecodeCache:
     """Everything the model keeps between decode steps."""
 
-    kv: HiSparseState | FullKVState  # MLA KV rows of every layer; its type picks HiSparse or no offload
+    kv: HiSparseState | PagedHiSparseState | FullKVState  # MLA KV rows of every layer; its type picks HiSparse or no offload
     index_keys: jax.Array  # [J, R, C, I]: indexer key of every stored position, per full-indexer layer
     # f32[J, R, C]: each fp8 key's scale (models.indexer.quantize_keys); f32[J, R, 0] (no bytes)
     # when the keys are not fp8, so the cache's pytree is the same whatever the key format.
@@ -115,7 +116,9 @@ def create_cache(
             raise ValueError(
                 f"hisparse_config top_k ({hisparse.top_k}) must equal the model's index_topk ({config.index_topk})"
             )
-        kv = HiSparseState.create(
+        # Dynamic residency needs device rows that pass between requests: a paged pool.
+        state_class = HiSparseState if hisparse.dynamic_residency is None else PagedHiSparseState
+        kv = state_class.create(
             num_layers=config.num_layers, num_requests=num_requests, max_context=max_context, config=hisparse,
             layout=layout, num_host_pages=num_host_pages, page_size=page_size, fill_value=fill_value, mesh=mesh,
         )  # fmt: skip

@@ -53,8 +53,9 @@ def _check_copy_inputs(pool, device_buffer, layer, miss_host, miss_device, num_m
     check_equal("device_buffer row width", device_buffer.shape[3], "pool row width (W)", pool.shape[2])
     check_equal("device_buffer layers", device_buffer.shape[0], "pool layers (L)", pool.shape[0])
     check_equal("miss_device shape", miss_device.shape, "miss_host shape", miss_host.shape)
-    # A batch of b <= R requests copies into slots 0 .. b - 1 (the engine's batch buckets).
-    if miss_host.shape[0] > device_buffer.shape[1]:
+    # A batch of b <= R requests copies into slots 0 .. b - 1 (the engine's batch buckets); a
+    # device_buffer with one request slot is a pool shared by the batch (miss_device: its rows).
+    if miss_host.shape[0] > device_buffer.shape[1] != 1:
         raise ValueError(
             f"miss_host batch ({miss_host.shape[0]}) must not exceed the device_buffer request slots (R = {device_buffer.shape[1]})"
         )
@@ -90,7 +91,7 @@ def copy_host_rows_to_buffer_reference(pool, device_buffer, layer, miss_host, mi
     R, K = miss_host.shape
     take = jnp.arange(K)[None, :] < num_misses[:, None]  # bool[R, K]
     rows = _stage_on_device(pool)[layer][jnp.where(take, miss_host, 0)]  # row[R, K, W]
-    request = jnp.broadcast_to(jnp.arange(R)[:, None], (R, K))
+    request = jnp.broadcast_to(jnp.arange(R)[:, None], (R, K)) * (device_buffer.shape[1] != 1)  # 0: a shared pool
     slot = jnp.where(take, miss_device, device_buffer.shape[2])  # dropped where not taken
     return device_buffer.at[layer, request, slot].set(rows, mode="drop")
 
@@ -157,7 +158,8 @@ def _copy_host_rows_kernel(
         src = common.safe_index(common.gather(miss_host_ref, (r, safe_i), take, 0), take, S)  # i32[rows]
         dst = common.safe_index(common.gather(miss_device_ref, (r, safe_i), take, 0), take, B1)  # i32[rows]
         for offset, size, mask, values in _load_rows(pool_ref, layer, src, take, interpret, eviction_policy):
-            common.scatter(buffer_ref, common.row_block((out_layer, r), dst, offset, size, interpret), values, mask)
+            out_r = r * 0 if buffer_ref.shape[1] == 1 else r  # one slot: a pool shared by the batch
+            common.scatter(buffer_ref, common.row_block((out_layer, out_r), dst, offset, size, interpret), values, mask)
         return carry
 
     jax.lax.fori_loop(0, my_items, copy_item, 0)
@@ -220,7 +222,8 @@ def copy_host_rows_to_buffer(
 ):
     """device_buffer[layer, r, miss_device[r, i]] = pool[layer, miss_host[r, i]] for i < num_misses[r].
 
-    pool: row[L, S, W] (pinned host); device_buffer: row[L, R, B1, W] (updated in place);
+    pool: row[L, S, W] (pinned host); device_buffer: row[L, R, B1, W] (updated in place), or
+    row[L, 1, N, W] a device pool shared by the batch (miss_device then holds its rows);
     layer: int or i32[]; miss_host, miss_device: i32[R, K]; num_misses: i32[R].
     rows_per_program: the Pallas launch shape (HiSparseConfig.copy_rows_per_program).
     Returns the updated device_buffer; raises ValueError on inconsistent static shapes.
@@ -229,6 +232,9 @@ def copy_host_rows_to_buffer(
     implementation = common.resolve_implementation(implementation)
     if implementation == "tpu":
         from pallas_kernels.tpu_row_copy import copy_host_rows_to_buffer_tpu
+
+        if device_buffer.shape[1] == 1 < miss_host.shape[0]:
+            raise ValueError("the TPU copy kernel does not write a shared device pool (row[L, 1, N, W]) yet")
 
         return copy_host_rows_to_buffer_tpu(pool, device_buffer, jnp.asarray(layer, jnp.int32), miss_host, miss_device, num_misses)
     if implementation == "pallas":

@@ -52,7 +52,9 @@ def _check_inputs(query, kv, layer, slots, latent_dim, layout=None) -> None:
     check_rank("slots", slots, 2, "[R, K]")
     R, W = query.shape[0], kv.shape[3]
     # A batch of R <= the cache's slots attends over slots 0 .. R - 1 (the engine's batch buckets).
-    if kv.shape[1] < R:
+    # kv with one request slot is a pool shared by the whole batch (hisparse_jax.paged_state):
+    # slots then index its rows directly.
+    if kv.shape[1] < R and kv.shape[1] != 1:
         raise ValueError(f"query batch (R = {R}) must not exceed the kv request slots ({kv.shape[1]})")
     check_equal("slots batch", slots.shape[0], "query batch (R)", R)
     if layout is None:
@@ -69,6 +71,12 @@ def _check_inputs(query, kv, layer, slots, latent_dim, layout=None) -> None:
     check_layer_index(layer, kv.shape[0])
 
 
+def kv_request(r, kv):
+    """The kv request slot request r reads: r itself, or 0 when kv (row[L, 1, S, W]) is a pool
+    shared by every request of the batch."""
+    return r * 0 if kv.shape[1] == 1 else r
+
+
 def _quantized(layout) -> bool:
     return layout is not None and layout.quantized
 
@@ -80,7 +88,7 @@ def sparse_mla_attention_reference(query, kv, layer, slots, *, latent_dim, sm_sc
     _check_inputs(query, kv, layer, slots, latent_dim, layout)
     R = query.shape[0]
     valid = slots >= 0  # bool[R, K]
-    rows = kv[layer][jnp.arange(R)[:, None], jnp.where(valid, slots, 0)]  # row[R, K, W]
+    rows = kv[layer][kv_request(jnp.arange(R), kv)[:, None], jnp.where(valid, slots, 0)]  # row[R, K, W]
     if _quantized(layout):
         rows = jnp.concatenate(layout.unpack(rows), axis=-1)  # f32[R, K, D + rope]
     rows = jnp.where(valid[:, :, None], rows.astype(jnp.float32), 0.0)  # never multiply an unread row
@@ -128,7 +136,7 @@ def _attention_kernel(
         safe_slot = common.safe_index(slot, valid, S)
         keys = [
             common.gather(
-                kv_ref, common.row_block((layer, r), safe_slot, o, s, interpret), jnp.broadcast_to(valid[:, None], (block_k, s)), 0
+                kv_ref, common.row_block((layer, kv_request(r, kv_ref)), safe_slot, o, s, interpret), jnp.broadcast_to(valid[:, None], (block_k, s)), 0
             )
             for o, s in key_pieces
         ]  # row[block_k, s] each
@@ -253,7 +261,7 @@ def _fp8_attention_kernel(
         safe_slot = common.safe_index(slot, valid, S)
 
         def load_words(word, n):  # u32[block_k, n]: words word .. word + n - 1 of the selected rows (0 if masked)
-            block = common.row_block((layer, r), safe_slot, word, n, interpret)
+            block = common.row_block((layer, kv_request(r, kv_ref)), safe_slot, word, n, interpret)
             return common.gather(kv_ref, block, jnp.broadcast_to(valid[:, None], (block_k, n)), 0)
 
         # Dequantise: fp8 bytes back in latent order (joined as bytes: the cheapest layout
@@ -264,7 +272,7 @@ def _fp8_attention_kernel(
         latent = jax.lax.bitcast_convert_type(latent, jnp.float8_e4m3fn).astype(jnp.float32)
         scale = 0.0
         for g in range(num_groups):  # f32[block_k, D]: each column's group scale, by selects (no reshape)
-            word = common.gather(kv_ref, (layer, r, safe_slot, scale_word + g), valid, 0)  # u32[block_k]
+            word = common.gather(kv_ref, (layer, kv_request(r, kv_ref), safe_slot, scale_word + g), valid, 0)  # u32[block_k]
             scale = jnp.where(column // G == g, jax.lax.bitcast_convert_type(word, jnp.float32)[:, None], scale)
         keys = (latent * scale).astype(compute_dtype)  # [block_k, D]
         words = load_words(rope_word, rope_dim // 2)
@@ -403,7 +411,8 @@ def default_num_splits(programs: int, key_blocks: int) -> int:
 def sparse_mla_attention(query, kv, layer, slots, *, latent_dim, sm_scale, layout=None, implementation=None, **tuning):
     """Sparse MLA decode attention; see the module docstring.
 
-    query: [R, H, D + rope] (latent-absorbed q then rope q); kv: row[L, R, S, W]; layer: int or
+    query: [R, H, D + rope] (latent-absorbed q then rope q); kv: row[L, R, S, W], or row[L, 1, S, W]
+    a device pool every request reads (slots then index pool rows); layer: int or
     i32[]; slots: i32[R, K] (-1 masked) -> f32[R, H, D] with D = latent_dim. layout: the rows'
     KVRowLayout (hisparse_jax.row_layout; required for fp8 rows, optional for plain ones, whose
     dtype says it all). Raises ValueError on inconsistent static shapes.
@@ -412,6 +421,9 @@ def sparse_mla_attention(query, kv, layer, slots, *, latent_dim, sm_scale, layou
     implementation = common.resolve_implementation(implementation)
     if implementation == "tpu":
         from pallas_kernels.tpu_sparse_mla_attention import sparse_mla_attention_tpu
+
+        if kv.shape[1] == 1 < query.shape[0]:
+            raise ValueError("the TPU attention kernel does not read a shared device pool (kv row[L, 1, S, W]) yet")
 
         return sparse_mla_attention_tpu(
             query, kv, jnp.asarray(layer, jnp.int32), slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=layout, **tuning
