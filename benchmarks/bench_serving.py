@@ -50,7 +50,7 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs.model import DSAModelConfig  # noqa: E402
-from hisparse_jax.config import HiSparseConfig  # noqa: E402
+from hisparse_jax.config import HiSparseConfig, ResidencyConfig  # noqa: E402
 from hisparse_jax.serving.engine import Engine, EngineConfig  # noqa: E402
 from hisparse_jax.serving.workload import Request  # noqa: E402
 from hisparse_jax.serving.scheduler import DeviceFootprint  # noqa: E402
@@ -71,7 +71,11 @@ flags.DEFINE_string("hisparse_config", '{"top_k": 2048, "device_buffer_size": 40
 flags.DEFINE_enum("kv_cache_dtype", "auto", list(KV_CACHE_DTYPE_NAMES), "As SGLang's --kv-cache-dtype (auto: bf16, the model's).")
 flags.DEFINE_float("kv_budget_gb_per_layer", None, "Device KV budget per layer (default: KV_BUDGET_NOTE; smoke: 0.00025).")
 flags.DEFINE_float("synthetic_topk_overlap", 0.9, "Overlap of the SYNTHETIC selection phase (negative: skip it).")
-flags.DEFINE_list("phases", ["model", "synthetic", "equal_slots", "arrivals"], "What to run, in this order after the headline.")
+flags.DEFINE_list(
+    "phases", ["model", "synthetic", "equal_slots", "arrivals"],
+    "What to run, in this order after the headline; also: residency (the synthetic points again with"
+    " dynamic_residency adaptive, mode 'residency').",
+)
 flags.DEFINE_float("time_budget_s", 180.0, "Skip a phase that would end past this many seconds from the start.")
 flags.DEFINE_integer("arrivals_prompt", 4096, "Phase arrivals: prompt tokens (prefilled by the model).")
 flags.DEFINE_integer("arrivals_new_tokens", 24, "Phase arrivals: shortest output (others up to 3 x slots more).")
@@ -214,6 +218,14 @@ class Engines:
         self._engines: dict[tuple[str, int], Engine] = {}
         self._warm: set[tuple[str, int, float | None]] = set()
 
+    def hisparse_of(self, mode: str) -> HiSparseConfig | None:
+        """baseline: None; hisparse: the run's config; residency: it with dynamic_residency adaptive."""
+        if mode == "baseline":
+            return None
+        if mode == "residency":
+            return dataclasses.replace(self.setup.hisparse, dynamic_residency=ResidencyConfig())
+        return self.setup.hisparse
+
     def needs_compile(self, mode: str, slots: int, overlap: float | None) -> bool:
         return (mode, slots, overlap) not in self._warm
 
@@ -223,7 +235,7 @@ class Engines:
             self._engines[mode, slots] = engine = Engine(
                 setup.runner,
                 EngineConfig(max_running_requests=slots, context_length=setup.context,
-                             hisparse=setup.hisparse if mode == "hisparse" else None, kv_budget_bytes=setup.budget,
+                             hisparse=self.hisparse_of(mode), kv_budget_bytes=setup.budget,
                              page_size=64, synthetic_context=True, seed=0,
                              # the buckets the points run (min(c, slots) requests each), not every
                              # power of two: each is a decode compile
@@ -255,6 +267,8 @@ def run_segment(engines: Engines, name: str, mode: str, slots: int, overlap: flo
             measured[running] = point_metrics(result, FLAGS.warm_steps)
             if overlap is not None:
                 measured[running]["measured_topk_overlap"] = result.summary.get("measured_topk_overlap")
+            if "residency" in result.summary:
+                measured[running]["residency"] = result.summary["residency"]
         metrics = measured[running]
         RESULTS["points"].append(dict(phase=name, selection=selection, mode=mode, slots=slots, max_concurrency=c, **metrics))
         log(f"  {name:11s} {mode:8s} c={c:4d} running={metrics['running']:4d}: {metrics['decode_throughput']:10.1f} tok/s,"
@@ -274,7 +288,7 @@ def draw() -> None:
     except ImportError as error:
         log(f"no plots ({error}); the JSON holds every figure")
         return
-    for phases, tag in ((("model", "equal_slots"), "model_selection"), (("synthetic",), "synthetic_selection")):
+    for phases, tag in ((("model", "equal_slots"), "model_selection"), (("synthetic", "residency"), "synthetic_selection")):
         points = [dict(p, mode=_series_mode(p)) for p in RESULTS["points"] if p["phase"] in phases]
         if not points:
             continue
@@ -291,10 +305,10 @@ def ratios() -> list[dict]:
     against the baseline at the same number of running requests)."""
     out = []
     for p in RESULTS["points"]:
-        if p["mode"] != "hisparse":
+        if p["mode"] not in ("hisparse", "residency"):
             continue
         key = "running" if p["phase"] == "equal_slots" else "max_concurrency"
-        twin_phase = "model" if p["phase"] == "equal_slots" else p["phase"]
+        twin_phase = {"equal_slots": "model", "residency": "synthetic"}.get(p["phase"], p["phase"])
         for b in RESULTS["points"]:
             if b["mode"] == "baseline" and b["phase"] == twin_phase and b[key] == p[key]:
                 out.append(dict(phase=p["phase"], max_concurrency=p["max_concurrency"], running=(p["running"], b["running"]),
@@ -308,7 +322,7 @@ def step_cost_fit() -> list[dict]:
     least squares; F is what a step costs whatever runs, c what each running request adds."""
     out = []
     for phase in sorted({p["phase"] for p in RESULTS["points"]}):
-        for mode in ("hisparse", "baseline"):
+        for mode in ("hisparse", "residency", "baseline"):
             seen = {p["running"]: p["itl_ms"]["mean"] for p in RESULTS["points"] if p["phase"] == phase and p["mode"] == mode}
             if len(seen) < 2:
                 continue
@@ -385,6 +399,8 @@ def main(_):
         plan += [("model", mode, cap, None, headline(cap)) for mode, cap in modes]
     if "model" in FLAGS.phases:
         plan += [("model", mode, cap, None, below(cap)) for mode, cap in modes if below(cap)]
+    if "residency" in FLAGS.phases and overlap is not None:
+        plan.append(("residency", "residency", cap_h, overlap, below(cap_h) + headline(cap_h)))
     if "equal_slots" in FLAGS.phases and cap_h > cap_b:
         plan.append(("equal_slots", "hisparse", cap_b, None, below(cap_b) + [cap_b]))
     engines = Engines(setup, concurrency)

@@ -88,8 +88,8 @@ class PagedHiSparseState(HiSparseState):
         L, R, W = num_layers, num_requests, layout.width
         fill_value = layout.fill_element(fill_value)
         place = _Placer(device, None)
-        lru = jax.jit(lambda: jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32), (L, R, B)))()
-        lru = jax.device_put(lru, place("lru_slots", (1,), jnp.int32, 0).sharding)
+        lru = place("lru_slots", (L, R, B), jnp.int32, 0)
+        lru = jax.jit(lambda x: x + jnp.arange(B, dtype=jnp.int32), out_shardings=lru.sharding, donate_argnums=0)(lru)
         pages_per_context = math.ceil(max(max_context, B + 1) / page_size)
         return cls(
             device_buffer=place("device_buffer", (L, 1, num_device_pages * page_size, W), layout.dtype, fill_value),

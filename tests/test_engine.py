@@ -391,3 +391,51 @@ def test_prefill_interleaves_with_decode_within_its_token_budget(runner, workloa
     # Without a budget a prompt is prefilled whole: no decode step between admission and first token.
     whole = Engine(runner, engine_config(HISPARSE)).run(workload)
     assert set(decode_steps_while_prefilling(whole)) == {0}
+
+
+class _StaggeredArrivals:
+    """Arrivals for Engine.run: the first request at once, the others on the `later`-th poll
+    (one poll per engine iteration), then closed."""
+
+    def __init__(self, requests, later):
+        self._batches = {0: requests[:1], later: requests[1:]}
+        self._polls = 0
+        self.closed = False
+
+    def poll(self, timeout=None):
+        batch = self._batches.get(self._polls, [])
+        self._polls += 1
+        self.closed = self._polls > max(self._batches)
+        return batch
+
+
+@pytest.fixture(scope="module")
+def residency_workload(runner):
+    """Three 40 + 16 token requests: 7 pages of 8 rows each, past a buffer's 3 pages (B = 20)
+    but short enough that one fits resident in the default pool (3 slots x 3 pages)."""
+    prompts = np.random.default_rng(11).integers(0, TINY.vocab_size, (3, 40)).astype(np.int32)
+    return [Request(i, p, 16) for i, p in enumerate(prompts)], generate(runner, prompts, 16).tokens
+
+
+@pytest.mark.parametrize("mode", ["adaptive", "forced_resident", "forced_host_backed"])
+def test_dynamic_residency_promotes_and_demotes_with_tokens_as_the_baseline(runner, residency_workload, mode):
+    from hisparse_jax.config import ResidencyConfig
+
+    requests, expected = residency_workload
+    residency = ResidencyConfig(mode=mode, promote_watermark=0.1, demote_watermark=0.0)
+    engine = Engine(runner, engine_config(HiSparseConfig(top_k=16, device_buffer_size=20, host_to_device_ratio=8, dynamic_residency=residency)))
+    # The first request decodes alone for a few steps (adaptive: it is promoted), then the
+    # others arrive and need its pages (adaptive: it is demoted to make room).
+    result = engine.run([], arrivals=_StaggeredArrivals(requests, later=5))
+    for request in requests:
+        np.testing.assert_array_equal(result.tokens[request.id], expected[request.id], err_msg=f"request {request.id}")
+    counts = result.summary["residency"]
+    if mode == "adaptive":
+        assert counts["promotions"] >= 1 and counts["demotions"] >= 1, counts
+    else:
+        assert counts["promotions"] == counts["demotions"] == 0, counts
+    running = max(s.running for s in result.steps)
+    assert running == (1 if mode == "forced_resident" else 3)  # forced_resident: one context fits at a time
+    assert_everything_free(engine)
+    assert engine.residency.pages.num_free == engine.residency.pages.num_pages
+    np.testing.assert_array_equal(np.asarray(engine.cache.kv.device_page_table), -1)

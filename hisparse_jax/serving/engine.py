@@ -23,6 +23,12 @@ moves into the hole (ModelRunner.move_request: its device buffer, LRU, page tabl
 keys; its host pages stay). warmup() compiles every bucket up front; requests coming and going
 then change only the values of `tokens` / `positions` and which bucket runs, never compile.
 
+Dynamic residency (`hisparse.dynamic_residency`): the KV state is a PagedHiSparseState, one device
+pool of pages shared by all slots, and serving.residency.ResidencyManager decides which requests
+keep their whole context there (resident: no plan, no copy) and which run host-backed on a
+buffer's pages. Its changes are carried out between steps: promotions copy a context host ->
+device once, demotions copy nothing; admission never waits for them except in forced_resident.
+
 The baseline is the same engine with `hisparse=None`: a FullKVState keeps every row on the
 device and admission counts full-context KV against the same budget. Both attend to the same
 rows with the same kernels, so they produce the same tokens.
@@ -51,9 +57,11 @@ from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.serving.errors import UsageError
 from hisparse_jax.host_pages import HostPageAllocator
 from hisparse_jax.kv_cache_ops import end_request
+from hisparse_jax.paged_state import PagedHiSparseState
 from hisparse_jax.serving.workload import Request
 from hisparse_jax.serving.scheduler import Admission, DataParallelScheduler, DeviceFootprint, Scheduler
-from hisparse_jax.state import REQUEST_AXIS, state_shardings
+from hisparse_jax.serving.residency import ResidencyManager
+from hisparse_jax.state import REQUEST_AXIS, jit_donating_state, state_shardings
 from hisparse_jax.serving.synthetic_fill import SyntheticFill
 from hisparse_jax.serving.synthetic_selection import SyntheticSelector
 from hisparse_jax.serving.telemetry import RequestTrace, StepRecord, summarize
@@ -166,6 +174,7 @@ class Engine:
         if R % groups:
             raise UsageError(f"max_running_requests ({R}) must divide by the {groups} data-parallel groups")
         budget = None if config.kv_budget_bytes is None else config.kv_budget_bytes // groups
+        self.residency = self._residency_manager()
         self._host_pages = None
         if hisparse is not None:
             pages = self.cache.kv.num_host_pages
@@ -176,7 +185,7 @@ class Engine:
         schedulers = [
             Scheduler(
                 num_slots=R // groups, context_length=C, footprint=self.footprint, kv_budget_bytes=budget,
-                host_pages=None if self._host_pages is None else self._host_pages[g],
+                host_pages=None if self._host_pages is None else self._host_pages[g], residency=self.residency,
             )  # fmt: skip
             for g in range(groups)
         ]
@@ -202,6 +211,29 @@ class Engine:
             num_requests=config.max_running_requests, max_context=config.context_length, hisparse=config.hisparse,
             num_host_pages=config.num_host_pages, page_size=config.page_size, fill_value=config.fill_value,
         )  # fmt: skip
+
+    def _residency_manager(self) -> ResidencyManager | None:
+        """The manager of a dynamic-residency engine (and its jitted state changes), else None."""
+        hisparse, kv = self.config.hisparse, self.cache.kv
+        if hisparse is None or hisparse.dynamic_residency is None:
+            return None
+        if not isinstance(kv, PagedHiSparseState):
+            raise UsageError(f"dynamic_residency is not supported by {type(self.runner).__name__} yet")
+        implementation = self.runner.implementation
+        self._assign = jit_donating_state(lambda s, slot, row, resident: s.assign_device_pages(slot, row, resident), kv)
+        self._promote = jit_donating_state(lambda s, slot, row: s.promote(slot, row, implementation=implementation), kv)
+        self._demote = jit_donating_state(lambda s, slot, row: s.demote(slot, row), kv)
+        return ResidencyManager(
+            hisparse.dynamic_residency, num_pages=kv.num_device_pages, page_size=kv.page_size,
+            buffer_size=kv.buffer_size, pages_per_row=kv.device_page_table.shape[1],
+        )  # fmt: skip
+
+    def _apply(self, changes) -> None:
+        """Carries out the residency manager's changes on the device state, in order."""
+        for change in changes:
+            apply = self._promote if change.action == "promote" else self._demote
+            kv = apply(self.cache.kv, jnp.int32(change.slot), jnp.asarray(change.page_row))
+            self.cache = dataclasses.replace(self.cache, kv=kv)
 
     def use_selection(self, synthetic_topk_overlap: float | None) -> None:
         """Decode top-k from the model's indexers (None) or the SYNTHETIC selector with this
@@ -238,6 +270,11 @@ class Engine:
             pages = HostPageAllocator.page_table_row(admission.host_pages, self._pages_per_request)
         if self.selector is not None:
             self.selector.reset(slot)
+        if admission.residency is not None:  # device pages first: prefill writes through them
+            changes, row, resident = admission.residency
+            self._apply(changes)
+            kv = self._assign(self.cache.kv, jnp.int32(slot), jnp.asarray(row), jnp.bool_(resident))
+            self.cache = dataclasses.replace(self.cache, kv=kv)
         if request.prefilled is not None:  # PD: a prefill instance computed it; store it as it came
             self.cache = self.runner.admit_prefilled(self.cache, slot, request.prompt_len, request.prefilled, host_pages=pages)
             return request.first_token
@@ -278,6 +315,8 @@ class Engine:
         for source, target in zip(movers, holes):
             self.cache = self.runner.move_request(self.cache, source, target)
             self.scheduler.move(source, target)
+            if self.residency is not None:
+                self.residency.move(source, target)
             if self.selector is not None:
                 self.selector.move(source, target)
             for array in (tokens, positions, slot_ids):
@@ -290,6 +329,8 @@ class Engine:
     def _retire(self, slot: int) -> None:
         self.cache = dataclasses.replace(self.cache, kv=self._end(self.cache.kv, jnp.int32(slot)))
         self.scheduler.finish(slot)
+        if self.residency is not None:
+            self.residency.release(slot)
 
     def _abort(self) -> None:
         """After a run failed: drops the waiting requests and retires every admitted one (slot,
@@ -297,6 +338,8 @@ class Engine:
         slots = self.scheduler.running_slots()
         for slot in slots:  # the pools first: pure bookkeeping, nothing here can fail
             self.scheduler.finish(slot)
+        if self.residency is not None:
+            self.residency.reset()
         self.scheduler.waiting.clear()
         if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
             # The failure came after the cache was donated (mid-prefill or mid-step): its arrays
@@ -396,6 +439,8 @@ class Engine:
                 ready += self._advance_prefills(prefilling)
                 for request, slot, first in ready:
                     prefill_bar.update(1)
+                    if self.residency is not None:
+                        self.residency.started_decoding(slot)
                     if first is None:  # synthetic context: no first token; the last prompt token stands in
                         tokens[slot], positions[slot] = request.prompt[-1], request.prompt_len
                     elif not emit(request, slot, first, time.perf_counter() - start):
@@ -409,6 +454,8 @@ class Engine:
                     if self.scheduler.waiting and not admitted:  # check() makes every request fit an idle engine
                         raise RuntimeError("admission stalled with nothing running")
                     continue  # what was admitted finished at prefill (max_new_tokens 1 or EOS): admit again
+                if self.residency is not None:
+                    self._apply(self.residency.rebalance())
                 b = self._bucket(int(active.max()) + 1)  # compacted: active slots are 0 .. n - 1
                 topk = None
                 if self.selector is not None:
@@ -439,6 +486,8 @@ class Engine:
                        synthetic_context=self.config.synthetic_context)  # fmt: skip
         if self.selector is not None:
             summary["measured_topk_overlap"] = self.selector.measured_overlap
+        if self.residency is not None:
+            summary["residency"] = self.residency.summary()
         outputs = {r.id: np.asarray(generated[r.id], np.int32) for r in requests}
         return RunResult(outputs, steps, ordered, summary)
 
@@ -476,6 +525,10 @@ class Engine:
                 self._argmax(logits).block_until_ready()
                 self._count(telemetry)
                 bar.update(1)
+            if self.residency is not None:  # residency changes on a free slot: nothing to copy
+                kv, row = self.cache.kv, jnp.full(self.cache.kv.device_page_table.shape[1], -1, jnp.int32)
+                kv = self._demote(self._promote(self._assign(kv, jnp.int32(0), row, jnp.bool_(False)), jnp.int32(0), row), jnp.int32(0), row)
+                self.cache = dataclasses.replace(self.cache, kv=self._end(kv, jnp.int32(0)))
             if len(self.buckets) > 1:  # compaction's move, on a free slot onto itself: changes nothing
                 self.cache = self.runner.move_request(self.cache, 0, 0)
                 if self.selector is not None:

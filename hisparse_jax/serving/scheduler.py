@@ -66,6 +66,9 @@ class Admission(NamedTuple):
     request: Request
     slot: int  # request slot (row of the decode batch) it runs in
     host_pages: list[int] | None  # host pages backing its positions in order (HiSparse only)
+    # Dynamic residency: (changes to carry out first, device page row i32[Q], starts resident),
+    # ResidencyManager.admit's answer, taken when the request is admitted; else None.
+    residency: tuple | None = None
 
 
 class _Running(NamedTuple):
@@ -83,14 +86,17 @@ class Scheduler:
         footprint: DeviceFootprint,
         kv_budget_bytes: int | None = None,
         host_pages: HostPageAllocator | None = None,
+        residency=None,
     ):
         """kv_budget_bytes None: no device limit beyond the slots. host_pages None: no host pool
-        (the baseline)."""
+        (the baseline). residency: a serving.residency.ResidencyManager whose device pages must
+        also take the request (dynamic residency), or None."""
         self.num_slots = num_slots
         self.context_length = context_length
         self.footprint = footprint
         self.kv_budget_bytes = kv_budget_bytes
         self.host_pages = host_pages
+        self.residency = residency
         self.waiting: collections.deque[Request] = collections.deque()
         self._free_slots = list(range(num_slots))  # a min-heap: lowest slot handed out first
         self._running: dict[int, _Running] = {}
@@ -120,6 +126,8 @@ class Scheduler:
                 f"request {request.id} needs {self.host_pages.pages_for(tokens)} host pages; the host pool has"
                 f" {self.host_pages.num_pages}: raise host_to_device_ratio"
             )
+        if self.residency is not None:
+            self.residency.check(request)
         need = self.footprint.request_bytes(tokens)
         if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
             raise UsageError(
@@ -135,6 +143,8 @@ class Scheduler:
             return False
         if self.host_pages is not None and not self.host_pages.can_allocate(request.max_tokens):
             return False
+        if self.residency is not None and not self.residency.can_admit(request):
+            return False
         need = self.footprint.request_bytes(request.max_tokens)
         return self.kv_budget_bytes is None or self.device_bytes_in_use + need <= self.kv_budget_bytes
 
@@ -148,7 +158,8 @@ class Scheduler:
             need = self.footprint.request_bytes(request.max_tokens)
             self.device_bytes_in_use += need
             self._running[slot] = _Running(request, pages, need)
-            admitted.append(Admission(request, slot, pages))
+            residency = None if self.residency is None else self.residency.admit(slot, request)
+            admitted.append(Admission(request, slot, pages, residency))
         return admitted
 
     def finish(self, slot: int) -> Request:
