@@ -395,12 +395,12 @@ def main(_):
     # same engines, then the model's (random-weight) selection as the pessimistic bound.
     if "synthetic" in FLAGS.phases and overlap is not None:
         plan += [("synthetic", mode, cap, overlap, below(cap) + headline(cap)) for mode, cap in modes]
+    if "residency" in FLAGS.phases and overlap is not None:  # the synthetic points with dynamic residency
+        plan.append(("residency", "residency", cap_h, overlap, below(cap_h) + headline(cap_h)))
     if "model" in FLAGS.phases:
         plan += [("model", mode, cap, None, headline(cap)) for mode, cap in modes]
     if "model" in FLAGS.phases:
         plan += [("model", mode, cap, None, below(cap)) for mode, cap in modes if below(cap)]
-    if "residency" in FLAGS.phases and overlap is not None:
-        plan.append(("residency", "residency", cap_h, overlap, below(cap_h) + headline(cap_h)))
     if "equal_slots" in FLAGS.phases and cap_h > cap_b:
         plan.append(("equal_slots", "hisparse", cap_b, None, below(cap_b) + [cap_b]))
     engines = Engines(setup, concurrency)

@@ -380,6 +380,8 @@ class Engine:
             self.scheduler.check(request)
         if self.selector is not None:
             self.selector.reset_counts()
+        if self.residency is not None:
+            self.residency.reset_counts()
         limit = max_concurrency or (len(requests) if arrivals is None else self.config.max_running_requests)
         R = self.config.max_running_requests
         tokens = np.zeros(R, np.int32)  # i32[R]: next input token per slot

@@ -157,5 +157,8 @@ class ResidencyManager:
     def num_resident(self) -> int:
         return len(self._resident)
 
+    def reset_counts(self) -> None:
+        self.promotions = self.demotions = 0
+
     def summary(self) -> dict:
         return dict(mode=self.config.mode, promotions=self.promotions, demotions=self.demotions)
