@@ -24,6 +24,7 @@ Writes $OUT/profile_decode.json (rewritten after every phase), hlo_decode.tar.gz
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import io
 import json
@@ -73,7 +74,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs.model import DSAModelConfig  # noqa: E402
-from hisparse_jax.config import HiSparseConfig  # noqa: E402
+from hisparse_jax.config import HiSparseConfig, ResidencyConfig  # noqa: E402
 from hisparse_jax.serving.engine import Engine, EngineConfig  # noqa: E402
 from hisparse_jax.serving.workload import Request  # noqa: E402
 from models.decoder import DSAForCausalLM  # noqa: E402
@@ -368,9 +369,12 @@ def main():
                             kv_cache_dtype=ARGS.kv_cache_dtype)  # fmt: skip
     save()
 
+    # residency: HiSparse with dynamic_residency adaptive (requests resident while the pool has room)
+    hisparse_of = dict(hisparse=hisparse, residency=dataclasses.replace(hisparse, dynamic_residency=ResidencyConfig()), baseline=None)
+
     def make_engine(mode, n):
         return Engine(runner, EngineConfig(max_running_requests=n, context_length=context,
-                                           hisparse=hisparse if mode == "hisparse" else None,
+                                           hisparse=hisparse_of[mode],
                                            page_size=64, synthetic_context=True, seed=0,
                                            # one compile: all slots, or the --running bucket
                                            batch_buckets=(min(n, ARGS.running),) if ARGS.running else False))  # fmt: skip
@@ -378,7 +382,7 @@ def main():
     plan = []  # (mode, slots, overlap or None)
     for item in ARGS.plan.split(","):
         mode, selection = item.strip().split(":")
-        n = slots if mode == "hisparse" else baseline_slots
+        n = baseline_slots if mode == "baseline" else slots
         if n <= 0:
             continue
         plan.append((mode, n, None if selection == "model" else ARGS.overlap))

@@ -167,6 +167,8 @@ class Engine:
             if hisparse is not None and hisparse.top_k != model.index_topk:
                 raise UsageError(f"hisparse_config top_k ({hisparse.top_k}) must equal the model's index_topk ({model.index_topk})")
             self.footprint = DeviceFootprint.of(model, runner.dtype, hisparse, runner.kv_cache_dtype)  # the runner's cache format
+        if hisparse is not None and hisparse.dynamic_residency is not None and runner.mesh is not None:
+            raise UsageError("dynamic_residency does not run with data-parallel attention yet (one device pool per engine)")
         self.cache: DecodeCache = self._empty_cache()
         # Data-parallel attention (runner.mesh): each group schedules its own slots, host pool
         # block and share of the device budget, as SGLang's DP ranks do.
