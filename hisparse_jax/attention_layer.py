@@ -182,7 +182,7 @@ def shared_attention_layer(
 # The A/B switch (HISPARSE.md section 6): "stream" prefetches on a second GPU stream, "early" in
 # the main stream (XLA alone orders it), "off" (default, see shared_prefetch_mode) replays in line.
 SHARED_PREFETCH_ENV = "HISPARSE_SHARED_PREFETCH"
-SHARED_PREFETCH_MODES = ("stream", "early", "off", "stream_grouped")  # the last: experimental (decode_step)
+SHARED_PREFETCH_MODES = ("stream", "early", "off")
 SIDE_STREAM = "gpu_stream:1"  # XLA's stream annotation (compute_on); the main stream is 0
 
 

@@ -18,7 +18,6 @@ stages the full context on the device; only the layer being computed holds its r
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -29,7 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental.xla_metadata import set_xla_metadata
 
 from configs.model import DSAModelConfig
 from jax.sharding import Mesh, NamedSharding
@@ -215,9 +213,8 @@ def decode_step(
     Copies off the critical path (docs/architecture.md, "Overlap"): every layer's newest row is
     backed up to the host pool after the last layer (kv_cache_ops.backup_newest_rows), and each
     shared-index layer's rows are fetched as soon as its anchor's plan exists, on a second GPU
-    stream (attention_layer.prefetch_shared_rows). shared_prefetch: "stream", "early", "off"
-    (in-line replay) or "stream_grouped" (experimental: an XLA scheduling group around the
-    prefetches and the anchor's MLP); None reads $HISPARSE_SHARED_PREFETCH (default "off": on the
+    stream (attention_layer.prefetch_shared_rows). shared_prefetch: "stream", "early" or "off"
+    (in-line replay); None reads $HISPARSE_SHARED_PREFETCH (default "off": on the
     H200 XLA put each side-stream start right before its done, so nothing overlapped; see
     docs/architecture.md). defer_backup=False
     backs each row up in its own layer (the earlier behaviour; it forces prefetch "off": the
@@ -260,13 +257,10 @@ def decode_step(
             shared = _shared_layers_after(config, l)
             kv, out, anchor = attend_layer(kv, l, query, new_row, positions, selected, record_plan=bool(shared), **attend, **deferred)
             info = anchor
-            with _prefetch_group(prefetch, l, shared):
-                if prefetch != "off":  # the plan exists now: start every shared layer's copy
-                    for s in shared:
-                        prefetched[s] = prefetch_shared_rows(
-                            kv, s, anchor, implementation=implementation, mode="early" if prefetch == "early" else "stream"
-                        )
-                h = layer.finish(h, out)
+            if prefetch != "off":  # the plan exists now: start every shared layer's copy
+                for s in shared:
+                    prefetched[s] = prefetch_shared_rows(kv, s, anchor, implementation=implementation, mode=prefetch)
+            h = layer.finish(h, out)
         else:
             extra = dict(deferred, prefetched=prefetched.pop(l)) if prefetch != "off" else deferred
             kv, out, info = attend_shared(kv, l, query, new_row, positions, anchor, **attend, **extra)
@@ -278,15 +272,6 @@ def decode_step(
     kv = advance(kv, positions >= 0)
     cache = DecodeCache(kv, index_keys, key_scales)
     return cache, model.logits(h), StepTelemetry(jnp.stack(hits), jnp.stack(misses), jnp.stack(indexer_selected))
-
-
-def _prefetch_group(prefetch: str, layer: int, shared: tuple[int, ...]):
-    """"stream_grouped" (experimental): the prefetches and the anchor's o_proj + MLP in one XLA
-    scheduling group (_scheduling_group_id), asking the latency-hiding scheduler to place the
-    side-stream copies' start before that compute and their done after it."""
-    if prefetch != "stream_grouped" or not shared:
-        return contextlib.nullcontext()
-    return set_xla_metadata(_scheduling_group_id=str(layer))
 
 
 def _shared_layers_after(config: DSAModelConfig, layer: int) -> tuple[int, ...]:
