@@ -31,12 +31,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from hisparse_jax import memory
-from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.row_layout import KVRowLayout
-from hisparse_jax.state import HiSparseState, _field, _Placer
+from hisparse_jax.state import HiSparseState
 from pallas_kernels.row_copy import copy_host_rows_to_buffer
-from pallas_kernels.swap_in import SCRATCH_EMPTY, SwapInPlan, host_slots_of
+from pallas_kernels.swap_in import SwapInPlan, host_slots_of
 
 
 def buffer_pages(buffer_size: int, page_size: int) -> int:
@@ -61,47 +58,17 @@ class PagedHiSparseState(HiSparseState):
         return self.device_buffer.shape[2] // self.page_size
 
     @classmethod
-    def create(
-        cls,
-        *,
-        num_layers: int,
-        num_requests: int,
-        max_context: int,
-        config: HiSparseConfig,
-        layout: KVRowLayout,
-        num_host_pages: int | None = None,
-        num_device_pages: int | None = None,
-        page_size: int = 64,
-        fill_value: float = 0.0,
-        device: jax.Device | None = None,
-        mesh=None,
-    ) -> "PagedHiSparseState":
-        """As HiSparseState.create; num_device_pages defaults to a host-backed buffer's pages for
-        every slot (buffer_pages(B, page_size) x R), so every slot can always run host-backed."""
-        if mesh is not None:
+    def _device_arrays(cls, place, L, R, B, W, max_context, page_size, layout, fill_value, num_device_pages=None) -> dict:
+        """The pool row[L, 1, N, W] (num_device_pages defaults to a buffer's pages for every slot,
+        buffer_pages(B, page_size) x R, so every slot can always run host-backed), the device page
+        table and the resident flags. create(..., num_device_pages=N) passes it here."""
+        if place.mesh is not None:
             raise ValueError("dynamic_residency does not run with data-parallel attention (a mesh) yet")
-        B = config.device_buffer_size
         if num_device_pages is None:
-            num_device_pages = buffer_pages(B, page_size) * num_requests
-        if num_host_pages is None:
-            num_host_pages = math.ceil(config.host_to_device_ratio * num_requests * B / page_size)
-        L, R, W = num_layers, num_requests, layout.width
-        fill_value = layout.fill_element(fill_value)
-        place = _Placer(device, None)
-        lru = place("lru_slots", (L, R, B), jnp.int32, 0)
-        lru = jax.jit(lambda x: x + jnp.arange(B, dtype=jnp.int32), out_shardings=lru.sharding, donate_argnums=0)(lru)
+            num_device_pages = buffer_pages(B, page_size) * R
         pages_per_context = math.ceil(max(max_context, B + 1) / page_size)
-        return cls(
+        return dict(
             device_buffer=place("device_buffer", (L, 1, num_device_pages * page_size, W), layout.dtype, fill_value),
-            buffer_tokens=place("buffer_tokens", (L, R, B), jnp.int32, -1),
-            lru_slots=lru,
-            host_pool=place("host_pool", (L, num_host_pages * page_size, W), layout.dtype, fill_value, memory.PINNED_HOST),
-            host_page_table=place("host_page_table", (R, math.ceil(max_context / page_size)), jnp.int32, -1),
-            seq_lens=place("seq_lens", (R,), jnp.int32, 0),
-            swap_in_scratch=place("swap_in_scratch", (R, max_context), jnp.int32, SCRATCH_EMPTY),
-            page_size=page_size,
-            copy_rows_per_program=config.copy_rows_per_program,
-            layout=layout,
             device_page_table=place("device_page_table", (R, pages_per_context), jnp.int32, -1),
             resident=place("resident", (R,), jnp.bool_, False),
         )

@@ -258,6 +258,7 @@ class HiSparseState:
         fill_value: float = 0.0,
         device: jax.Device | None = None,
         mesh: Mesh | None = None,
+        **device_options,
     ) -> "HiSparseState":
         """Allocates an empty state; every request slot starts free.
 
@@ -266,6 +267,8 @@ class HiSparseState:
         host pool. fill_value initialises rows nothing has written (tests pass NaN so a stray
         read shows; fp8 rows take 0 or NaN only). With a mesh, request slots and host pool rows
         are split over its "dp" axis (num_requests and num_host_pages must divide by its size).
+        device_options go to _device_arrays (a subclass's own sizes, e.g. PagedHiSparseState's
+        num_device_pages).
         """
         B = config.device_buffer_size
         if num_host_pages is None:
@@ -277,7 +280,7 @@ class HiSparseState:
         lru = place("lru_slots", (L, R, B), jnp.int32, 0)
         lru = jax.jit(lambda x: x + jnp.arange(B, dtype=jnp.int32), out_shardings=lru.sharding, donate_argnums=0)(lru)
         return cls(
-            device_buffer=place("device_buffer", (L, R, B + 1, W), layout.dtype, fill_value),
+            **cls._device_arrays(place, L, R, B, W, max_context, page_size, layout, fill_value, **device_options),
             buffer_tokens=place("buffer_tokens", (L, R, B), jnp.int32, -1),
             lru_slots=lru,
             # With a mesh, each data-parallel group owns the contiguous pool block of its shard
@@ -290,6 +293,11 @@ class HiSparseState:
             copy_rows_per_program=config.copy_rows_per_program,
             layout=layout,
         )
+
+    @classmethod
+    def _device_arrays(cls, place, L, R, B, W, max_context, page_size, layout, fill_value) -> dict:
+        """The device row arrays create allocates: here one static B + 1 row buffer per slot."""
+        return dict(device_buffer=place("device_buffer", (L, R, B + 1, W), layout.dtype, fill_value))
 
     # ---- KVState: request lifecycle ----------------------------------------------------------
 
