@@ -7,3 +7,9 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 sys.path.insert(0, os.path.dirname(__file__))
+# One persistent compilation cache for the run's worker processes and the scripts tests start
+# (they inherit the environment): many modules compile the same tiny-model steps. A fresh
+# clone starts with an empty cache under .pytest_cache (git-ignored).
+_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax_compilation_cache")
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")

@@ -40,7 +40,9 @@ def page_row(pages):
 
 
 @pytest.mark.parametrize(
-    "implementation,layout_kind", [("reference", "float32"), ("pallas", "float32"), ("pallas", "fp8_e4m3")]
+    "implementation,layout_kind",
+    # CI time: the Pallas f32 case (~19 s) is under -m slow; Pallas fp8 runs the same pool reads and writes
+    [("reference", "float32"), pytest.param("pallas", "float32", marks=pytest.mark.slow), ("pallas", "fp8_e4m3")],
 )
 def test_promotions_and_demotions_equal_no_offload(implementation, layout_kind):
     steps, prompt_lens = 36, [3, 12, 60]
@@ -85,30 +87,20 @@ def test_promotions_and_demotions_equal_no_offload(implementation, layout_kind):
     for t in range(steps):
         for action, r in events.get(t, []):
             paged = promote_request(paged, r) if action == "promote" else demote_request(paged, r)
-        resident_steps += int(np.asarray(paged.resident).sum())
+        resident = np.asarray(paged.resident)  # bool[R]
+        resident_steps += int(resident.sum())
         topk = np.stack([recent_and_random(rng, positions, layer) for layer in range(L)]).astype(np.int32)
         args = (jnp.asarray(queries[t]), jnp.asarray(rows[:, np.arange(R), positions]), jnp.asarray(positions), jnp.asarray(topk))
         paged, out_p, _, misses = step_paged(paged, *args)
         full, out_f, _, _ = step_full(full, *args)
         assert np.all(np.isfinite(np.asarray(out_p))), f"step {t}: read an unwritten (NaN) row"
         np.testing.assert_array_equal(np.asarray(out_p), np.asarray(out_f), err_msg=f"step {t}: paged != no-offload")
-        misses_total += int(np.asarray(misses).sum())
+        misses = np.asarray(misses)  # i32[L, R]
+        assert not misses[:, resident].any(), f"step {t}: a resident request planned a miss"
+        misses_total += int(misses.sum())
         positions += 1
     assert misses_total > 0 and resident_steps > 0, "the run must exercise both host-backed misses and residents"
     assert sorted(free + sum(held.values(), [])) == list(range(POOL_PAGES))
-
-
-def test_resident_requests_copy_nothing():
-    paged, _ = make_states("float32")
-    pages = list(range(CONTEXT_PAGES))
-    paged = paged.assign_device_pages(0, page_row(pages), True)
-    rows = jnp.asarray(np.random.default_rng(0).standard_normal((L, R, C, LATENT + ROPE)), jnp.float32)
-    paged = prefill(paged, np.asarray(rows), [60, 0, 0], C // PAGE, "reference")
-    topk = jnp.asarray(np.tile(np.arange(50, 50 + K), (R, 1)), jnp.int32).at[1:].set(-1)
-    lengths = jnp.asarray([61, 0, 0], jnp.int32)
-    _, plan = paged.swap_in(0, topk, lengths, implementation="reference")
-    assert int(plan.num_misses.sum()) == 0
-    np.testing.assert_array_equal(np.asarray(plan.slots[0]), np.arange(50, 50 + K))  # pool row = position (identity pages)
 
 
 def test_residency_config_parses_and_names_bad_fields():
