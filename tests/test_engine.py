@@ -432,6 +432,7 @@ def test_dynamic_residency_promotes_and_demotes_with_tokens_as_the_baseline(runn
     counts = result.summary["residency"]
     if mode == "adaptive":
         assert counts["promotions"] >= 1 and counts["demotions"] >= 1, counts
+        assert counts["promoted_rows"] >= 40 * TINY.num_layers, counts  # at least one prompt's rows of every layer
     else:
         assert counts["promotions"] == counts["demotions"] == 0, counts
     running = max(s.running for s in result.steps)

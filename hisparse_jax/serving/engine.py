@@ -233,6 +233,8 @@ class Engine:
     def _apply(self, changes) -> None:
         """Carries out the residency manager's changes on the device state, in order."""
         for change in changes:
+            if change.action == "promote":  # its stored rows of every layer cross the link
+                self.residency.promoted_rows += int(self.cache.kv.seq_lens[change.slot]) * self.cache.kv.num_layers
             apply = self._promote if change.action == "promote" else self._demote
             kv = apply(self.cache.kv, jnp.int32(change.slot), jnp.asarray(change.page_row))
             self.cache = dataclasses.replace(self.cache, kv=kv)

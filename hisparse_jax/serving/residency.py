@@ -45,6 +45,7 @@ class ResidencyManager:
         self._decoding: list[int] = []  # slots whose prefill is done, oldest admission first
         self.promotions = 0
         self.demotions = 0
+        self.promoted_rows = 0  # rows (tokens x layers) promotions copied host -> device
 
     # ---- what the scheduler asks ------------------------------------------------------------
 
@@ -158,7 +159,7 @@ class ResidencyManager:
         return len(self._resident)
 
     def reset_counts(self) -> None:
-        self.promotions = self.demotions = 0
+        self.promotions = self.demotions = self.promoted_rows = 0
 
     def summary(self) -> dict:
-        return dict(mode=self.config.mode, promotions=self.promotions, demotions=self.demotions)
+        return dict(mode=self.config.mode, promotions=self.promotions, demotions=self.demotions, promoted_rows=self.promoted_rows)

@@ -93,7 +93,15 @@ def format_summary(label: str, summary: dict) -> str:
         f"  running {summary['mean_running']:5.1f} (max {summary['max_running']:3d})"
         f"  TTFT mean {fmt(ttft and ttft['mean']):>8} ms  ITL mean/p50/p99 {fmt(itl['mean'])}/{fmt(itl['p50'])}/{fmt(itl['p99'])} ms"
         f"  miss rate {summary['miss_rate']:.3f}  H2D {summary['h2d_bytes'] / 1e6:.2f} MB"
+        + _residency_text(summary.get("residency"))
     )
+
+
+def _residency_text(residency: dict | None) -> str:
+    """Dynamic residency's counts (H2D above counts decode misses; promotions copy rows too)."""
+    if residency is None:
+        return ""
+    return f"  residency {residency['promotions']} up / {residency['demotions']} down ({residency['promoted_rows']} rows copied)"
 
 
 def write_json(path: str | os.PathLike, data) -> None:
