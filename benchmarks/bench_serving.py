@@ -64,6 +64,11 @@ flags.DEFINE_string("output_dir", "outputs/bench_serving", "Where bench_serving.
 flags.DEFINE_list("concurrency", ["1", "4", "16", "64", "128", "256"], "Max concurrencies to report.")
 flags.DEFINE_integer("num_layers", 4, "Model layers (the first dense, the rest MoE).")
 flags.DEFINE_integer("num_experts", 16, "Routed experts per MoE layer (top-8 of them, 8 groups).")
+flags.DEFINE_integer(
+    "num_heads", 128,
+    "Attention heads (DeepSeek-V3.2: 128; one rank of TP8, the sharding the KV budget assumes, runs 16;"
+    " the indexer keeps its 64 heads).",
+)
 flags.DEFINE_integer("context", 32768, "Tokens per request at the end of the run (prompt + decoded).")
 flags.DEFINE_integer("warm_steps", 4, "Untimed decode steps per point (the first demand-loads the buffer).")
 flags.DEFINE_integer("steps", 12, "Timed decode steps per point.")
@@ -113,7 +118,7 @@ def model_config() -> DSAModelConfig:
     L = FLAGS.num_layers
     return DSAModelConfig.deepseek_v32().replace(
         num_layers=L, mlp_layer_types=("dense",) + ("sparse",) * (L - 1), indexer_types=("full",) * L,
-        n_routed_experts=FLAGS.num_experts, n_group=8, topk_group=4,
+        n_routed_experts=FLAGS.num_experts, n_group=8, topk_group=4, num_heads=FLAGS.num_heads,
     )  # fmt: skip
 
 
