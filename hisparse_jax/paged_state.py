@@ -73,13 +73,30 @@ class PagedHiSparseState(HiSparseState):
             resident=place("resident", (R,), jnp.bool_, False),
         )
 
-    def pool_rows(self, slots) -> jax.Array:
-        """i32[b, K]: the pool row of each slot (buffer slot, or position of a resident request)
-        of requests 0 .. b - 1; slots i32[b, K], -1 (or a slot past the mapped pages) gives -1."""
-        b = slots.shape[0]
-        table = self.device_page_table[:b]  # i32[b, Q]
-        page = jnp.take_along_axis(table, jnp.clip(slots // self.page_size, 0, table.shape[1] - 1), axis=1)
+    def _slot_rows(self, requests, slots) -> jax.Array:
+        """i32[...]: the pool row of each slot (a buffer slot, or a resident request's position)
+        of requests (same shapes) through the device page table; -1, or a slot past the mapped
+        pages, gives -1."""
+        table = self.device_page_table  # i32[R, Q]
+        page = table[requests, jnp.clip(slots // self.page_size, 0, table.shape[1] - 1)]
         return jnp.where((slots >= 0) & (page >= 0), page * self.page_size + slots % self.page_size, -1)
+
+    def _buffer_request(self, requests) -> jax.Array:
+        """Every request reads and writes the one shared pool: device_buffer[:, 0]."""
+        return requests * 0
+
+    def _newest_slot(self, positions) -> jax.Array:
+        """A resident request's newest row goes to its position; a host-backed one's as in HiSparse."""
+        return jnp.where(self.resident[: positions.shape[0]], positions, super()._newest_slot(positions))
+
+    def _prefill_on_device(self, request, preload, valid) -> jax.Array:
+        """A resident request's every prompt row goes to the pool too."""
+        return preload | (valid & self.resident[request])
+
+    def _planned_lengths(self, lengths) -> jax.Array:
+        """Resident requests plan as inactive (length 0): no misses, their tables untouched, and
+        the plan's slots are their selected positions, which _slot_rows maps into the pool."""
+        return jnp.where(self.resident[: lengths.shape[0]], 0, lengths)
 
     # ---- request lifecycle ------------------------------------------------------------------
 
@@ -91,41 +108,22 @@ class PagedHiSparseState(HiSparseState):
             resident=self.resident.at[request].set(resident),
         )
 
-    def _write_prefill_device_rows(self, layer, request, positions, rows, preload, valid) -> jax.Array:
-        """Prompt rows row[T, W] into the pool: every valid position of a resident request, else
-        the preloaded ones (buffer slot = position, as HiSparseState preloads)."""
-        write = preload | (valid & self.resident[request])  # bool[T]
-        table = self.device_page_table[request]  # i32[Q]
-        page = jnp.take(table, jnp.clip(positions // self.page_size, 0, table.shape[0] - 1))  # i32[T]
-        row = jnp.where(write & (page >= 0), page * self.page_size + positions % self.page_size, self.device_buffer.shape[2])
-        return self.device_buffer.at[layer, 0, row].set(rows, mode="drop")
-
     def end_request(self, request) -> "PagedHiSparseState":
         state = super().end_request(request)
         return state.replace(
             device_page_table=state.device_page_table.at[request].set(-1), resident=state.resident.at[request].set(False)
         )
 
-    def move_request(self, source, target) -> "PagedHiSparseState":
-        """Moves the slot's tables (no rows move: its pages stay where they are)."""
-        moved = self.replace(
-            buffer_tokens=self.buffer_tokens.at[:, target].set(self.buffer_tokens[:, source]),
-            lru_slots=self.lru_slots.at[:, target].set(self.lru_slots[:, source]),
-            host_page_table=self.host_page_table.at[target].set(self.host_page_table[source]),
-            seq_lens=self.seq_lens.at[target].set(self.seq_lens[source]),
-            device_page_table=self.device_page_table.at[target].set(self.device_page_table[source]),
-            resident=self.resident.at[target].set(self.resident[source]),
-        )
-        return moved.end_request(source)
+    # move_request moves the tables only: a request's rows stay in its pages.
+    _moved_with_request = ("buffer_tokens", "lru_slots", "host_page_table", "seq_lens", "device_page_table", "resident")
 
     def promote(self, request, pages, *, implementation=None) -> "PagedHiSparseState":
         """Makes slot `request` resident on device pages i32[Q] covering its whole context:
         copies its seq_len rows of every layer host -> device (the host pool holds them all)."""
         state = self.assign_device_pages(request, pages, True)
-        C = self.max_context
-        positions = jnp.arange(C, dtype=jnp.int32)[None, :]  # i32[1, C]
-        host = host_slots_of(self.host_page_table[request], positions[0], self.page_size)[None, :]  # i32[1, C]
-        rows = state.replace(device_page_table=state.device_page_table[request][None, :]).pool_rows(positions)  # i32[1, C]
+        positions = jnp.arange(self.max_context, dtype=jnp.int32)  # i32[C]
+        host = host_slots_of(self.host_page_table[request], positions, self.page_size)[None, :]  # i32[1, C]
+        rows = state._slot_rows(jnp.broadcast_to(request, positions.shape), positions)[None, :]  # i32[1, C]
         count = self.seq_lens[request][None]  # i32[1]
         pool = state.device_buffer
         for layer in range(self.num_layers):
@@ -147,40 +145,3 @@ class PagedHiSparseState(HiSparseState):
             buffer_tokens=self.buffer_tokens.at[:, request].set(held),
             lru_slots=self.lru_slots.at[:, request].set(jnp.arange(B, dtype=jnp.int32)),
         )
-
-    # ---- one layer's decode step ------------------------------------------------------------
-
-    def write_newest(self, layer, new_row, positions) -> "PagedHiSparseState":
-        """As HiSparseState's, through the page table; a resident request's row goes to its position."""
-        B = self.buffer_size
-        new_row = self.layout.to_stored(new_row)
-        b = positions.shape[0]
-        active = positions >= 0
-        resident = self.resident[:b]
-        slot = jnp.where(resident | (positions < B), positions, self.reserved_slot)  # i32[b]
-        row = self.pool_rows(jnp.where(active, slot, -1)[:, None])[:, 0]  # i32[b]
-        device_buffer = self.device_buffer.at[layer, 0, jnp.where(row >= 0, row, self.device_buffer.shape[2])].set(
-            new_row, mode="drop"
-        )
-        fast = active & (positions < B) & ~resident
-        requests = jnp.arange(b)
-        buffer_tokens = self.buffer_tokens.at[layer, requests, jnp.where(fast, positions, B)].set(positions, mode="drop")
-        return self.replace(device_buffer=device_buffer, buffer_tokens=buffer_tokens)
-
-    def _planned_lengths(self, lengths) -> jax.Array:
-        """Resident requests plan as inactive (length 0): no misses, their tables untouched."""
-        return jnp.where(self.resident[: lengths.shape[0]], 0, lengths)
-
-    def _plan_in_device_rows(self, plan: SwapInPlan, topk) -> SwapInPlan:
-        """The plan in pool rows: a resident request's entries map its selected positions, a
-        host-backed one's its buffer slots; the misses' destinations likewise."""
-        resident = self.resident[: topk.shape[0], None]  # bool[b, 1]
-        slots = jnp.where(resident, self.pool_rows(topk), self.pool_rows(plan.slots))  # i32[b, K]
-        return plan._replace(slots=slots, miss_device_slots=self.pool_rows(plan.miss_device_slots))
-
-    def replay_prefetched(self, layer, plan: SwapInPlan, rows) -> "PagedHiSparseState":
-        """Scatters prefetched rows row[b, K, W] into the pool rows of the plan's misses."""
-        K = plan.miss_device_slots.shape[1]
-        take = (jnp.arange(K)[None, :] < plan.num_misses[:, None]) & (plan.miss_device_slots >= 0)  # bool[b, K]
-        row = jnp.where(take, plan.miss_device_slots, self.device_buffer.shape[2])  # i32[b, K]
-        return self.replace(device_buffer=self.device_buffer.at[layer, 0, row].set(rows, mode="drop"))

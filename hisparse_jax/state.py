@@ -299,6 +299,31 @@ class HiSparseState:
         """The device row arrays create allocates: here one static B + 1 row buffer per slot."""
         return dict(device_buffer=place("device_buffer", (L, R, B + 1, W), layout.dtype, fill_value))
 
+    # ---- where rows live on the device: what a subclass (PagedHiSparseState) remaps ----------
+
+    def _slot_rows(self, requests, slots) -> jax.Array:
+        """i32[...]: the device row (the index into device_rows[layer, request]) of each buffer slot
+        of requests (same shapes; -1 stays -1). Here a slot is its own row."""
+        return slots
+
+    def _scatter_device_rows(self, layer, requests, rows_at, values) -> jax.Array:
+        """device_buffer with values row[..., W] written at device rows rows_at i32[...] of
+        `requests` (same shape); a row of -1 writes nothing."""
+        dropped = jnp.where(rows_at >= 0, rows_at, self.device_buffer.shape[2])  # past the end: dropped
+        return self.device_buffer.at[layer, self._buffer_request(requests), dropped].set(values, mode="drop")
+
+    def _buffer_request(self, requests) -> jax.Array:
+        """The device_buffer request index of each request: itself (one buffer row each)."""
+        return requests
+
+    def _newest_slot(self, positions) -> jax.Array:
+        """i32[b]: the slot the newest token's row goes to: its position while n <= B, else B."""
+        return jnp.where(positions < self.buffer_size, positions, self.reserved_slot)
+
+    def _prefill_on_device(self, request, preload, valid) -> jax.Array:
+        """bool[T]: which prompt rows also go to the device (slot = position): the preloaded ones."""
+        return preload
+
     # ---- KVState: request lifecycle ----------------------------------------------------------
 
     def begin_request(self, request, prompt_len, host_pages=None) -> "HiSparseState":
@@ -329,15 +354,11 @@ class HiSparseState:
         B = self.buffer_size
         preload = valid & (prompt_len <= B)
         target = jnp.where(preload, positions, B + 1)  # dropped unless preloading
-        device_buffer = self._write_prefill_device_rows(layer, request, positions, rows, preload, valid)
+        on_device = jnp.where(self._prefill_on_device(request, preload, valid), positions, -1)  # i32[T]: slot = position
+        requests = jnp.broadcast_to(request, positions.shape)
+        device_buffer = self._scatter_device_rows(layer, requests, self._slot_rows(requests, on_device), rows)
         buffer_tokens = self.buffer_tokens.at[layer, request, target].set(positions, mode="drop")
         return self.replace(host_pool=pool, device_buffer=device_buffer, buffer_tokens=buffer_tokens)
-
-    def _write_prefill_device_rows(self, layer, request, positions, rows, preload, valid) -> jax.Array:
-        """device_buffer with prompt rows row[T, W] preloaded into slot = position where
-        `preload` (bool[T]); valid bool[T]: positions inside the prompt."""
-        target = jnp.where(preload, positions, self.buffer_size + 1)  # dropped unless preloading
-        return self.device_buffer.at[layer, request, target].set(rows, mode="drop")
 
     def end_request(self, request) -> "HiSparseState":
         """Clears the slot's page table row and buffer, and its seq_len."""
@@ -350,14 +371,15 @@ class HiSparseState:
     def move_request(self, source, target) -> "HiSparseState":
         """Moves slot `source`'s buffer, LRU and page table to `target` and frees `source`
         (its scratch row is SCRATCH_EMPTY between steps, as the target's is)."""
-        moved = self.replace(
-            device_buffer=self.device_buffer.at[:, target].set(self.device_buffer[:, source]),
-            buffer_tokens=self.buffer_tokens.at[:, target].set(self.buffer_tokens[:, source]),
-            lru_slots=self.lru_slots.at[:, target].set(self.lru_slots[:, source]),
-            host_page_table=self.host_page_table.at[target].set(self.host_page_table[source]),
-            seq_lens=self.seq_lens.at[target].set(self.seq_lens[source]),
-        )
-        return moved.end_request(source)
+        moved = {}
+        for name in self._moved_with_request:  # each array's row of `source` -> `target`
+            array, lead = getattr(self, name), (slice(None),) * _REQUEST_DIM[name]
+            moved[name] = array.at[lead + (target,)].set(array[lead + (source,)])
+        return self.replace(**moved).end_request(source)
+
+    # The per-request arrays move_request moves (the host pool is addressed by page and stays;
+    # the scratch row is SCRATCH_EMPTY between steps in every slot).
+    _moved_with_request = ("device_buffer", "buffer_tokens", "lru_slots", "host_page_table", "seq_lens")
 
     # ---- KVState: one layer's decode step ----------------------------------------------------
 
@@ -368,8 +390,8 @@ class HiSparseState:
         new_row = self.layout.to_stored(new_row)
         requests = jnp.arange(positions.shape[0])
         active = positions >= 0
-        slot = jnp.where(positions < B, positions, self.reserved_slot)  # i32[R]
-        device_buffer = self.device_buffer.at[layer, requests, jnp.where(active, slot, B + 1)].set(new_row, mode="drop")
+        slot = jnp.where(active, self._newest_slot(positions), -1)  # i32[b]
+        device_buffer = self._scatter_device_rows(layer, requests, self._slot_rows(requests, slot), new_row)
         fast = active & (positions < B)
         buffer_tokens = self.buffer_tokens.at[layer, requests, jnp.where(fast, positions, B)].set(positions, mode="drop")
         return self.replace(device_buffer=device_buffer, buffer_tokens=buffer_tokens)
@@ -392,7 +414,7 @@ class HiSparseState:
             page_size=self.page_size,
             implementation=implementation,
         )
-        plan = self._plan_in_device_rows(plan, topk)
+        plan = self._plan_in_device_rows(plan)
         state = self.replay_swap_in(layer, plan, implementation=implementation)
         if part is not self:
             return state._put_layer_batch(layer, buffer_tokens, lru_slots, scratch), plan
@@ -402,9 +424,12 @@ class HiSparseState:
         """i32[b]: the lengths the plan sees (a subclass may plan some requests as inactive)."""
         return lengths
 
-    def _plan_in_device_rows(self, plan: SwapInPlan, topk) -> SwapInPlan:
-        """The plan with its slots as indices of device_rows (here they already are)."""
-        return plan
+    def _plan_in_device_rows(self, plan: SwapInPlan) -> SwapInPlan:
+        """The plan with its slots (and its misses' destinations) as device rows (_slot_rows)."""
+        requests = jnp.arange(plan.slots.shape[0])[:, None]  # i32[b, 1]
+        return plan._replace(
+            slots=self._slot_rows(requests, plan.slots), miss_device_slots=self._slot_rows(requests, plan.miss_device_slots)
+        )
 
     def _layer_batch(self, layer, b) -> "HiSparseState":
         """The plan's inputs for slots 0 .. b - 1 of `layer`, as a one-layer, b-slot state."""
@@ -471,9 +496,9 @@ class HiSparseState:
         (device to device: ~10% of K rows per request at 0.9 overlap); entries past num_misses drop."""
         b, K = plan.miss_device_slots.shape
         take = jnp.arange(K)[None, :] < plan.num_misses[:, None]  # bool[b, K]
-        slot = jnp.where(take, plan.miss_device_slots, self.buffer_size + 1)  # i32[b, K]: past B1 drops
         requests = jnp.broadcast_to(jnp.arange(b)[:, None], (b, K))
-        return self.replace(device_buffer=self.device_buffer.at[layer, requests, slot].set(rows, mode="drop"))
+        rows_at = jnp.where(take, plan.miss_device_slots, -1)  # i32[b, K]: the plan's device rows
+        return self.replace(device_buffer=self._scatter_device_rows(layer, requests, rows_at, rows))
 
 
 @jax.tree_util.register_dataclass

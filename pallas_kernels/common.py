@@ -170,3 +170,10 @@ def check_layer_index(layer, num_layers: int) -> None:
     """
     if isinstance(layer, (int, np.integer)) and not 0 <= layer < num_layers:
         raise ValueError(f"layer ({layer}) must be in [0, num_layers ({num_layers}))")
+
+
+def request_row(r, array):
+    """The row of `array` (row[L, R, S, W] or a ref of it) that request r reads or writes: r
+    itself, or 0 when array has one request row, a pool the whole batch shares
+    (hisparse_jax.paged_state). r: an index or array of them."""
+    return r * 0 if array.shape[1] == 1 else r

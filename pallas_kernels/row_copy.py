@@ -91,7 +91,7 @@ def copy_host_rows_to_buffer_reference(pool, device_buffer, layer, miss_host, mi
     R, K = miss_host.shape
     take = jnp.arange(K)[None, :] < num_misses[:, None]  # bool[R, K]
     rows = _stage_on_device(pool)[layer][jnp.where(take, miss_host, 0)]  # row[R, K, W]
-    request = jnp.broadcast_to(jnp.arange(R)[:, None], (R, K)) * (device_buffer.shape[1] != 1)  # 0: a shared pool
+    request = common.request_row(jnp.broadcast_to(jnp.arange(R)[:, None], (R, K)), device_buffer)
     slot = jnp.where(take, miss_device, device_buffer.shape[2])  # dropped where not taken
     return device_buffer.at[layer, request, slot].set(rows, mode="drop")
 
@@ -158,7 +158,7 @@ def _copy_host_rows_kernel(
         src = common.safe_index(common.gather(miss_host_ref, (r, safe_i), take, 0), take, S)  # i32[rows]
         dst = common.safe_index(common.gather(miss_device_ref, (r, safe_i), take, 0), take, B1)  # i32[rows]
         for offset, size, mask, values in _load_rows(pool_ref, layer, src, take, interpret, eviction_policy):
-            out_r = r * 0 if buffer_ref.shape[1] == 1 else r  # one slot: a pool shared by the batch
+            out_r = common.request_row(r, buffer_ref)
             common.scatter(buffer_ref, common.row_block((out_layer, out_r), dst, offset, size, interpret), values, mask)
         return carry
 

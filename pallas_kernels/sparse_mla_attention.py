@@ -71,12 +71,6 @@ def _check_inputs(query, kv, layer, slots, latent_dim, layout=None) -> None:
     check_layer_index(layer, kv.shape[0])
 
 
-def kv_request(r, kv):
-    """The kv request slot request r reads: r itself, or 0 when kv (row[L, 1, S, W]) is a pool
-    shared by every request of the batch."""
-    return r * 0 if kv.shape[1] == 1 else r
-
-
 def _quantized(layout) -> bool:
     return layout is not None and layout.quantized
 
@@ -88,7 +82,7 @@ def sparse_mla_attention_reference(query, kv, layer, slots, *, latent_dim, sm_sc
     _check_inputs(query, kv, layer, slots, latent_dim, layout)
     R = query.shape[0]
     valid = slots >= 0  # bool[R, K]
-    rows = kv[layer][kv_request(jnp.arange(R), kv)[:, None], jnp.where(valid, slots, 0)]  # row[R, K, W]
+    rows = kv[layer][common.request_row(jnp.arange(R), kv)[:, None], jnp.where(valid, slots, 0)]  # row[R, K, W]
     if _quantized(layout):
         rows = jnp.concatenate(layout.unpack(rows), axis=-1)  # f32[R, K, D + rope]
     rows = jnp.where(valid[:, :, None], rows.astype(jnp.float32), 0.0)  # never multiply an unread row
@@ -136,7 +130,7 @@ def _attention_kernel(
         safe_slot = common.safe_index(slot, valid, S)
         keys = [
             common.gather(
-                kv_ref, common.row_block((layer, kv_request(r, kv_ref)), safe_slot, o, s, interpret), jnp.broadcast_to(valid[:, None], (block_k, s)), 0
+                kv_ref, common.row_block((layer, common.request_row(r, kv_ref)), safe_slot, o, s, interpret), jnp.broadcast_to(valid[:, None], (block_k, s)), 0
             )
             for o, s in key_pieces
         ]  # row[block_k, s] each
@@ -261,7 +255,7 @@ def _fp8_attention_kernel(
         safe_slot = common.safe_index(slot, valid, S)
 
         def load_words(word, n):  # u32[block_k, n]: words word .. word + n - 1 of the selected rows (0 if masked)
-            block = common.row_block((layer, kv_request(r, kv_ref)), safe_slot, word, n, interpret)
+            block = common.row_block((layer, common.request_row(r, kv_ref)), safe_slot, word, n, interpret)
             return common.gather(kv_ref, block, jnp.broadcast_to(valid[:, None], (block_k, n)), 0)
 
         # Dequantise: fp8 bytes back in latent order (joined as bytes: the cheapest layout
@@ -272,7 +266,7 @@ def _fp8_attention_kernel(
         latent = jax.lax.bitcast_convert_type(latent, jnp.float8_e4m3fn).astype(jnp.float32)
         scale = 0.0
         for g in range(num_groups):  # f32[block_k, D]: each column's group scale, by selects (no reshape)
-            word = common.gather(kv_ref, (layer, kv_request(r, kv_ref), safe_slot, scale_word + g), valid, 0)  # u32[block_k]
+            word = common.gather(kv_ref, (layer, common.request_row(r, kv_ref), safe_slot, scale_word + g), valid, 0)  # u32[block_k]
             scale = jnp.where(column // G == g, jax.lax.bitcast_convert_type(word, jnp.float32)[:, None], scale)
         keys = (latent * scale).astype(compute_dtype)  # [block_k, D]
         words = load_words(rope_word, rope_dim // 2)

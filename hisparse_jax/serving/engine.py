@@ -230,11 +230,12 @@ class Engine:
             buffer_size=kv.buffer_size, pages_per_row=kv.device_page_table.shape[1],
         )  # fmt: skip
 
-    def _apply(self, changes) -> None:
-        """Carries out the residency manager's changes on the device state, in order."""
+    def _apply(self, changes, positions=None) -> None:
+        """Carries out the residency manager's changes on the device state, in order; positions
+        i32[R] (the loop's: tokens stored per slot) counts what promotions copy."""
         for change in changes:
             if change.action == "promote":  # its stored rows of every layer cross the link
-                self.residency.promoted_rows += int(self.cache.kv.seq_lens[change.slot]) * self.cache.kv.num_layers
+                self.residency.promoted_rows += int(positions[change.slot]) * self.cache.kv.num_layers
             apply = self._promote if change.action == "promote" else self._demote
             kv = apply(self.cache.kv, jnp.int32(change.slot), jnp.asarray(change.page_row))
             self.cache = dataclasses.replace(self.cache, kv=kv)
@@ -461,7 +462,7 @@ class Engine:
                         raise RuntimeError("admission stalled with nothing running")
                     continue  # what was admitted finished at prefill (max_new_tokens 1 or EOS): admit again
                 if self.residency is not None:
-                    self._apply(self.residency.rebalance())
+                    self._apply(self.residency.rebalance(), positions)
                 b = self._bucket(int(active.max()) + 1)  # compacted: active slots are 0 .. n - 1
                 topk = None
                 if self.selector is not None:

@@ -144,8 +144,8 @@ class ResidencyManager:
         changes = []
         while self._resident and self._free_fraction() < self.config.demote_watermark:
             changes.append(self._demote(self._largest_resident()))
-        if changes:
-            return changes
+        if changes or self._free_fraction() < self.config.promote_watermark:
+            return changes  # no promotion can leave promote_watermark free
         for slot in self._decoding:
             extra = self._context_pages[slot] - self.buffer_pages
             if slot in self._resident or extra <= 0:
