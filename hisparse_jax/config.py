@@ -38,6 +38,18 @@ def _require_positive_int(name: str, value: Any) -> None:
         raise HiSparseConfigError(f"{name} must be positive, got {value}")
 
 
+def _fields_of(cls, values, name: str) -> dict:
+    """values as keyword arguments of dataclass `cls`: a JSON object of its fields only (the
+    errors name `name`, the object's place in --hisparse-config)."""
+    if not isinstance(values, Mapping):
+        raise HiSparseConfigError(f"{name} must be a JSON object, got {type(values).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise HiSparseConfigError(f"unknown {name} field(s) {unknown}; expected some of {sorted(known)}")
+    return dict(values)
+
+
 RESIDENCY_MODES = ("adaptive", "forced_resident", "forced_host_backed")
 
 
@@ -74,13 +86,7 @@ class ResidencyConfig:
 
     @classmethod
     def from_dict(cls, values) -> "ResidencyConfig":
-        if not isinstance(values, Mapping):
-            raise HiSparseConfigError(f"dynamic_residency must be a JSON object, got {type(values).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise HiSparseConfigError(f"unknown dynamic_residency field(s) {unknown}; expected some of {sorted(known)}")
-        return cls(**values)
+        return cls(**_fields_of(cls, values, "dynamic_residency"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,17 +129,7 @@ class HiSparseConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "HiSparseConfig":
         """The config of a parsed `--hisparse-config` object; unknown fields raise."""
-        if not isinstance(values, Mapping):
-            raise HiSparseConfigError(
-                f"hisparse_config must be a JSON object, got {type(values).__name__}"
-            )
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise HiSparseConfigError(
-                f"unknown hisparse_config field(s) {unknown}; expected some of {sorted(known)}"
-            )
-        values = dict(values)
+        values = _fields_of(cls, values, "hisparse_config")
         # SGLang's default buffer is twice the top_k the user gave, not twice the default top_k.
         if "device_buffer_size" not in values and "top_k" in values:
             _require_positive_int("top_k", values["top_k"])

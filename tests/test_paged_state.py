@@ -100,7 +100,6 @@ def test_promotions_and_demotions_equal_no_offload(implementation, layout_kind):
         misses_total += int(misses.sum())
         positions += 1
     assert misses_total > 0 and resident_steps > 0, "the run must exercise both host-backed misses and residents"
-    assert sorted(free + sum(held.values(), [])) == list(range(POOL_PAGES))
 
 
 def test_residency_config_parses_and_names_bad_fields():

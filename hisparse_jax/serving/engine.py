@@ -275,10 +275,10 @@ class Engine:
             pages = HostPageAllocator.page_table_row(admission.host_pages, self._pages_per_request)
         if self.selector is not None:
             self.selector.reset(slot)
-        if admission.residency is not None:  # device pages first: prefill writes through them
-            changes, row, resident = admission.residency
-            self._apply(changes)
-            kv = self._assign(self.cache.kv, jnp.int32(slot), jnp.asarray(row), jnp.bool_(resident))
+        placement = admission.residency
+        if placement is not None:  # device pages first: prefill writes through them
+            self._apply(placement.changes)  # demotions only
+            kv = self._assign(self.cache.kv, jnp.int32(slot), jnp.asarray(placement.page_row), jnp.bool_(placement.resident))
             self.cache = dataclasses.replace(self.cache, kv=kv)
         if request.prefilled is not None:  # PD: a prefill instance computed it; store it as it came
             self.cache = self.runner.admit_prefilled(self.cache, slot, request.prompt_len, request.prefilled, host_pages=pages)

@@ -26,6 +26,14 @@ from hisparse_jax.serving.errors import UsageError
 from hisparse_jax.serving.workload import Request
 
 
+class Placement(NamedTuple):
+    """Where a newly admitted request's rows go (ResidencyManager.admit)."""
+
+    changes: list  # ResidencyChange: demotions to carry out first, in order
+    page_row: np.ndarray  # i32[Q]: its device pages, -1 past the last
+    resident: bool  # whether it starts resident
+
+
 class ResidencyChange(NamedTuple):
     action: str  # "promote" or "demote"
     slot: int
@@ -72,9 +80,8 @@ class ResidencyManager:
     def _row(self, slot: int) -> np.ndarray:
         return HostPageAllocator.page_table_row(self._held[slot], self.pages_per_row)
 
-    def admit(self, slot: int, request: Request) -> tuple[list[ResidencyChange], np.ndarray, bool]:
-        """Pages for a newly admitted request -> (changes to carry out first, its page row
-        i32[Q], whether it starts resident). forced_resident: resident on its whole context's
+    def admit(self, slot: int, request: Request) -> Placement:
+        """Pages for a newly admitted request. forced_resident: resident on its whole context's
         pages; otherwise host-backed on a buffer's pages, demoting residents if needed."""
         changes = []
         need = self.context_pages(request)
@@ -88,7 +95,7 @@ class ResidencyManager:
         self._held[slot], self._context_pages[slot] = pages, need
         if resident:
             self._resident.add(slot)
-        return changes, self._row(slot), resident
+        return Placement(changes, self._row(slot), resident)
 
     def started_decoding(self, slot: int) -> None:
         self._decoding.append(slot)

@@ -66,9 +66,9 @@ class Admission(NamedTuple):
     request: Request
     slot: int  # request slot (row of the decode batch) it runs in
     host_pages: list[int] | None  # host pages backing its positions in order (HiSparse only)
-    # Dynamic residency: (changes to carry out first, device page row i32[Q], starts resident),
-    # ResidencyManager.admit's answer, taken when the request is admitted; else None.
-    residency: tuple | None = None
+    # Dynamic residency: ResidencyManager.admit's Placement (its device pages, taken when the
+    # request is admitted); else None.
+    residency: object | None = None
 
 
 class _Running(NamedTuple):
