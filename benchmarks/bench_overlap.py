@@ -18,6 +18,8 @@ Phases, one engine per memory mode, one process (the model is built once):
   stream:     HiSparse, shared layers' copies start once the anchor's plan exists, on a second
               GPU stream (compute_on "gpu_stream:1", XLA stream annotation);
   early:      HiSparse, the same prefetch on the main stream (what XLA's scheduling alone gives);
+  ffi_stream: HiSparse, the shared layers' gathers on a CUDA stream of our own through two XLA
+              FFI calls (pallas_kernels.side_stream_gather), started after the anchor's attention;
   eager:      "off" with the old per-layer eager backup (item 4's before), if time allows.
 Each phase times --steps engine steps after --warm_steps (ITL = the engine's step time, from the
 decode call until its tokens are on the host) and records a profiler trace of --trace_steps
@@ -96,10 +98,12 @@ from models.decoding import ModelRunner, cache_shardings, decode_step, generate 
 
 T0 = time.perf_counter()
 RESULTS: dict = {"args": vars(ARGS), "xla_flags": os.environ["XLA_FLAGS"], "phases": {}, "errors": []}
-COPY_KERNELS = ("hisparse_copy_host_rows", "hisparse_prefetch_host_rows")
+# in-line copy, XLA-stream prefetch (Pallas), FFI side-stream prefetch (csrc/side_stream_gather.cu)
+COPY_KERNELS = ("hisparse_copy_host_rows", "hisparse_prefetch_host_rows", "GatherRowsKernel")
 # phase -> (prefetch mode, backups after the last layer, XLA compile options of the decode step)
 PHASE_MODES = {
     "off": ("off", True, None), "stream": ("stream", True, None), "early": ("early", True, None),
+    "ffi_stream": ("ffi_stream", True, None),  # our own CUDA stream through two FFI calls
     "eager": ("off", False, None),
     "stream_nocb": ("stream", True, {"xla_gpu_enable_command_buffer": ""}),
     # the side-stream fetch with the latency-hiding scheduler off (XLA's memory scheduler then
@@ -291,6 +295,29 @@ def async_schedule(text: str) -> list[dict]:
     return out
 
 
+def side_gather_schedule(text: str) -> list[dict]:
+    """Per FFI side-stream gather (ffi_stream) in the scheduled HLO: how many instructions (and
+    fusions / custom calls) run on XLA's stream between its start and its wait."""
+    body = [line.strip() for line in text.splitlines() if " = " in line]
+    marks = []  # (index, kind, tag)
+    for i, line in enumerate(body):
+        for kind in ("start", "wait"):
+            if f'custom_call_target="hisparse_side_gather_{kind}"' in line:
+                tag = re.search(r"tag\s*=\s*(\d+)", line)
+                marks.append((i, kind, tag.group(1) if tag else "?"))
+    out = []
+    for i, kind, tag in marks:
+        if kind != "start":
+            continue
+        j = next((j for j, k, t in marks if k == "wait" and t == tag and j > i), None)
+        if j is None:
+            continue
+        ops = [(re.search(r"\s([a-z][a-z0-9\-]*)\(", b.split(" = ", 1)[1]) or [None, "?"])[1] for b in body[i + 1 : j]]
+        out.append(dict(tag=tag, between=sum(o not in _TRIVIAL_OPS for o in ops),
+                        kernels_between=sum(o in ("fusion", "custom-call", "call", "async-start", "while") for o in ops)))  # fmt: skip
+    return out
+
+
 def hlo_summary(path: str, cache) -> dict:
     """What the optimised decode HLO holds: async stream ops, copies of the pool / buffer."""
     text = open(path).read()
@@ -300,6 +327,10 @@ def hlo_summary(path: str, cache) -> dict:
     out["stream_annotated_lines"] = sum("_xla_stream_annotation" in line for line in text.splitlines())
     out["operation_queue_id_nonzero"] = sum('"operation_queue_id":"1"' in line or "operation_queue_id\":1" in line for line in text.splitlines())
     out["scheduling_group_lines"] = sum("_scheduling_group_id" in line for line in text.splitlines())
+    try:
+        out["side_gather_schedule"] = side_gather_schedule(text)
+    except Exception as error:
+        out["side_gather_schedule"] = repr(error)
     try:
         out["async_schedule"] = async_schedule(text)
     except Exception as error:  # the summary stands without it
@@ -373,7 +404,7 @@ def run_phase(name, engine: Engine, prompt) -> dict:
     if trace_dir is not None:
         try:
             phase["trace"], timeline = trace_summary(trace_dir, ARGS.trace_steps)
-            if name.startswith("stream") and timeline:
+            if "stream" in name and timeline:
                 with open(os.path.join(ARGS.out, f"timeline_{name}.json"), "w") as f:
                     json.dump(timeline, f)
         except Exception as error:  # the timings stand without it
@@ -381,7 +412,7 @@ def run_phase(name, engine: Engine, prompt) -> dict:
     new = sorted(hlo_files() - before)
     if new:
         phase["hlo"] = hlo_summary(new[-1], engine.cache)
-        if name.startswith("stream"):
+        if name in ("stream", "ffi_stream"):
             with open(new[-1], "rb") as src, gzip.open(os.path.join(ARGS.out, f"hlo_{name}.txt.gz"), "wb") as dst:
                 shutil.copyfileobj(src, dst)
     trace = phase.get("trace", {})
@@ -483,6 +514,11 @@ def main():
         start = time.perf_counter()
         try:
             mode, defer, options = PHASE_MODES.get(name, ("off", True, None))
+            if name.startswith("ffi_stream_b"):  # ffi_stream_b<N>: the side gather on N blocks
+                mode = "ffi_stream"
+                os.environ["HISPARSE_SIDE_GATHER_BLOCKS"] = name.removeprefix("ffi_stream_b")
+            else:
+                os.environ.pop("HISPARSE_SIDE_GATHER_BLOCKS", None)
             runner = runner_for(model, mode, defer, ARGS.kv_cache_dtype, compiler_options=options)
             kind = "baseline" if name == "baseline" else "hisparse"
             if kind not in engines:

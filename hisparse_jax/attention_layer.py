@@ -22,9 +22,10 @@ nothing):
 
 Shared-index layers (GLM IndexShare) replay their anchor's plan. prefetch_shared_rows fetches a
 shared layer's missed rows as soon as the anchor's plan exists, into a fresh array on a second
-GPU stream (compute_on "gpu_stream:1"), so the PCIe copy runs beside the anchor's attention and
-the layers in between; shared_attention_layer(prefetched=...) then only places them (device to
-device). docs/architecture.md ("Overlap") says why and what the H200 profile shows.
+GPU stream (mode "ffi_stream": a CUDA stream of our own, two XLA FFI calls; "stream": XLA's
+stream annotation), so the PCIe copy runs beside the anchor's MLP and the layers in between;
+shared_attention_layer(prefetched=...) then only places them (device to device).
+docs/architecture.md ("Overlap") says which mode overlaps and what the H200 profile shows.
 
 Shape letters (hisparse_jax.state): L layers, R requests, H heads, K top-k entries, W stored row
 width, D latent width (latent_dim). The query is D + rope wide (the row's values); W is that too
@@ -44,6 +45,7 @@ from jax.experimental.compute_on import compute_on
 
 from hisparse_jax.state import KVState, jit_donating_state
 from pallas_kernels.common import check_equal, check_layer_index, check_rank, resolve_implementation
+from pallas_kernels.side_stream_gather import PendingGather
 from pallas_kernels.sparse_mla_attention import sparse_mla_attention
 from pallas_kernels.swap_in import SwapInPlan
 
@@ -147,7 +149,7 @@ def shared_attention_layer(
     latent_dim: int,
     sm_scale: float,
     implementation: str | None = None,
-    prefetched: jax.Array | None = None,  # row[R, K, W]: prefetch_shared_rows(state, layer, anchor)
+    prefetched: jax.Array | PendingGather | None = None,  # prefetch_shared_rows(state, layer, anchor)[0]
     backup: bool = True,
 ):
     """A layer that reuses its anchor's top-k (GLM IndexShare) -> (state, f32[R, H, D], LayerStepInfo).
@@ -167,6 +169,8 @@ def shared_attention_layer(
     # write_newest first: it depends on this layer's input, which orders the in-place updates of
     # the buffer after the previous layer's attention read it (else XLA would copy the buffer).
     state = state.write_newest(layer, new_row, positions)
+    if isinstance(prefetched, PendingGather):  # this layer's compute (its query) waits, not earlier work
+        prefetched, query = prefetched.wait(query)
     if prefetched is not None:
         state = state.replay_prefetched(layer, plan, prefetched)
     else:
@@ -179,19 +183,22 @@ def shared_attention_layer(
 
 # ---- shared-index prefetch ---------------------------------------------------------------------
 
-# The A/B switch (HISPARSE.md section 6): "stream" prefetches on a second GPU stream, "early" in
-# the main stream (XLA alone orders it), "off" (default, see shared_prefetch_mode) replays in line.
+# The A/B switch (HISPARSE.md section 6): "ffi_stream" gathers on a CUDA stream of our own through
+# two XLA FFI calls (pallas_kernels.side_stream_gather), "stream" through XLA's stream annotation
+# (compute_on "gpu_stream:1"), "early" in the main stream (XLA alone orders it), "off" (default,
+# see shared_prefetch_mode) replays in line.
 SHARED_PREFETCH_ENV = "HISPARSE_SHARED_PREFETCH"
-SHARED_PREFETCH_MODES = ("stream", "early", "off")
+SHARED_PREFETCH_MODES = ("ffi_stream", "stream", "early", "off")
 SIDE_STREAM = "gpu_stream:1"  # XLA's stream annotation (compute_on); the main stream is 0
 
 
 def shared_prefetch_mode(mode: str | None = None, implementation: str | None = None) -> str:
-    """The prefetch mode: `mode`, else $HISPARSE_SHARED_PREFETCH, else "off". "off" is the default
-    because on JAX 0.11.2 XLA schedules the side-stream call's start right before its done, so
-    nothing overlaps (H200, docs/perf/bench_overlap_h200_2026-12-01.json) while the staged rows
-    cost R x K rows of device memory per shared layer; "off" for the TPU kernels (no gather yet)
-    unless named. Raises ValueError for an unknown mode."""
+    """The prefetch mode: `mode`, else $HISPARSE_SHARED_PREFETCH, else "off". "off" is the default:
+    "stream" and "early" overlap nothing on JAX 0.11.2 (XLA schedules the side-stream call's
+    start right before its done; H200, docs/perf/bench_overlap_h200_2026-12-01.json) and every
+    prefetch mode holds R x K rows of device memory per shared layer in flight; "ffi_stream"
+    builds a CUDA library on first use (nvcc). "off" for the TPU kernels (no gather yet) unless
+    named. Raises ValueError for an unknown mode."""
     chosen = mode or os.environ.get(SHARED_PREFETCH_ENV) or None
     if chosen is None:
         return "off"
@@ -214,17 +221,25 @@ def _in_line(fn, *arrays):
     return fn(*arrays)
 
 
-def prefetch_shared_rows(state: KVState, layer, anchor: LayerStepInfo, *, implementation: str | None = None, mode: str = "stream"):
-    """The rows shared-index `layer` will replay from `anchor`'s plan, fetched now -> row[R, K, W]
-    (None for a FullKVState, which copies nothing). mode "stream": on SIDE_STREAM; "early": in
-    the main stream. Pass the result to shared_attention_layer(prefetched=...). The state's pool
-    must see no in-place write between this and that layer (call both with backup=False and back
-    up after the last layer); the state itself is unchanged, so nothing waits for the fetch until
-    the shared layer places its rows."""
+def prefetch_shared_rows(state: KVState, layer, anchor: LayerStepInfo, *, implementation: str | None = None, mode: str = "stream", tie=None):
+    """The rows shared-index `layer` will replay from `anchor`'s plan, fetched from now on ->
+    (prefetched, tie). Pass `prefetched` to shared_attention_layer(prefetched=...).
+
+    mode "ffi_stream": a PendingGather on a CUDA stream of its own (`layer` a static int); the
+    compute that uses the returned `tie` (e.g. the anchor's attention output) is issued after
+    the start, so it runs beside the copy. "stream": row[R, K, W] gathered on SIDE_STREAM;
+    "early": the same in the main stream; both return `tie` untouched. None for a FullKVState
+    (nothing to copy). The state's pool must see no in-place write between this and that layer
+    (call both with backup=False and back up after the last layer); the state itself is
+    unchanged, so nothing waits for the fetch until the shared layer places its rows."""
     if anchor.plan is None:
         raise ValueError("prefetch_shared_rows needs the anchor's plan: call attention_layer(..., record_plan=True)")
-    if mode not in ("stream", "early"):
-        raise ValueError(f"prefetch_shared_rows mode must be 'stream' or 'early', got {mode!r}")
+    if mode not in ("ffi_stream", "stream", "early"):
+        raise ValueError(f"prefetch_shared_rows mode must be 'ffi_stream', 'stream' or 'early', got {mode!r}")
     check_layer_index(layer, state.num_layers)
+    if mode == "ffi_stream":
+        if tie is None:
+            raise ValueError("prefetch_shared_rows mode 'ffi_stream' needs `tie`: a value the compute after the start uses")
+        return state.start_side_prefetch(layer, anchor.plan, tie)
     launch = on_side_stream if mode == "stream" else _in_line
-    return state.prefetch_misses(layer, anchor.plan, implementation=implementation, launch=launch)
+    return state.prefetch_misses(layer, anchor.plan, implementation=implementation, launch=launch), tie

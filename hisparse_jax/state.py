@@ -45,6 +45,7 @@ from hisparse_jax import memory
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.row_layout import KVRowLayout
 from pallas_kernels.row_copy import copy_host_rows_to_buffer, gather_host_rows, write_rows_to_host
+from pallas_kernels.side_stream_gather import PendingGather
 from pallas_kernels.swap_in import SCRATCH_EMPTY  # the swap-in kernel owns its scratch's sentinel
 from pallas_kernels.swap_in import SwapInPlan, host_slots_of, swap_in_plan
 
@@ -182,6 +183,12 @@ class KVState(Protocol):
         """The rows a shared-index `layer` will replay from another layer's plan, fetched now into
         a new array (row[R, K, W], None when the mode copies nothing), through
         `launch(fn, *arrays) -> fn(*arrays)` (the caller picks where it runs, e.g. a side stream)."""
+        ...
+
+    def start_side_prefetch(self, layer: int, plan: SwapInPlan, tie: jax.Array) -> "tuple[PendingGather | None, jax.Array]":
+        """prefetch_misses on a CUDA stream of its own (pallas_kernels.side_stream_gather) ->
+        (the pending gather, None when the mode copies nothing; tie passed through: compute
+        that uses it runs beside the copy). `layer` is a static int (it tags the gather)."""
         ...
 
     def replay_prefetched(self, layer, plan: SwapInPlan, rows) -> "KVState":
@@ -491,6 +498,10 @@ class HiSparseState:
         )
         return launch(fetch, self.host_pool, jnp.asarray(layer, jnp.int32), plan.miss_host_slots, plan.num_misses)
 
+    def start_side_prefetch(self, layer: int, plan: SwapInPlan, tie: jax.Array) -> "tuple[PendingGather, jax.Array]":
+        """prefetch_misses started on the side stream: the same gather, the pool read in place."""
+        return PendingGather.start(self.host_pool, layer, plan.miss_host_slots, plan.num_misses, tie, tag=layer)
+
     def replay_prefetched(self, layer, plan: SwapInPlan, rows) -> "HiSparseState":
         """Scatters prefetched rows row[b, K, W] into `layer`'s buffer at the plan's miss slots
         (device to device: ~10% of K rows per request at 0.9 overlap); entries past num_misses drop."""
@@ -614,6 +625,10 @@ class FullKVState:
     def prefetch_misses(self, layer, plan: SwapInPlan, *, implementation=None, launch=None) -> None:
         """Nothing to fetch: every row is already on the device."""
         return None
+
+    def start_side_prefetch(self, layer: int, plan: SwapInPlan, tie: jax.Array) -> "tuple[None, jax.Array]":
+        """Nothing to fetch."""
+        return None, tie
 
     def replay_prefetched(self, layer, plan: SwapInPlan, rows) -> "FullKVState":
         """Nothing to place."""

@@ -258,8 +258,8 @@ def decode_step(
             kv, out, anchor = attend_layer(kv, l, query, new_row, positions, selected, record_plan=bool(shared), **attend, **deferred)
             info = anchor
             if prefetch != "off":  # the plan exists now: start every shared layer's copy
-                for s in shared:
-                    prefetched[s] = prefetch_shared_rows(kv, s, anchor, implementation=implementation, mode=prefetch)
+                for s in shared:  # `out` threads through: the anchor's o_proj + MLP run beside the copies
+                    prefetched[s], out = prefetch_shared_rows(kv, s, anchor, implementation=implementation, mode=prefetch, tie=out)
             h = layer.finish(h, out)
         else:
             extra = dict(deferred, prefetched=prefetched.pop(l)) if prefetch != "off" else deferred

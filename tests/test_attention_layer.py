@@ -95,7 +95,7 @@ def decode_step_fn(implementation, shared_second_layer=False, *, prefetch=None, 
                     state, layer, queries[layer], new_rows[layer], positions, topk[layer], record_plan=shared_second_layer, **kw
                 )
                 if prefetch and shared_second_layer:
-                    prefetched = prefetch_shared_rows(state, 1, info, implementation=implementation, mode=prefetch)
+                    prefetched, out = prefetch_shared_rows(state, 1, info, implementation=implementation, mode=prefetch, tie=out)
             outs.append(out)
             hits.append(info.num_hits)
             misses.append(info.num_misses)
@@ -251,12 +251,12 @@ def test_shared_layer_replays_anchor_plan(implementation, layout_kind):
 
 @pytest.mark.parametrize(
     "implementation, layout_kind, prefetch",
-    [("reference", "float32", "stream"), ("pallas", "float32", "stream"),
+    [("reference", "float32", "stream"), ("pallas", "float32", "stream"), ("pallas", "float32", "ffi_stream"),
      pytest.param("pallas", "fp8_e4m3", "early", marks=pytest.mark.slow)],  # ~20 s: CI time
 )
 def test_prefetched_shared_layer_and_deferred_backup_equal_no_offload(implementation, layout_kind, prefetch):
-    """Layer 1 (shared) places rows fetched right after layer 0's plan (on the side stream, or
-    early in the main one) and every newest row is backed up after the last layer: bit-identical
+    """Layer 1 (shared) places rows fetched right after layer 0's plan (on a side stream, through
+    XLA's annotation or our FFI calls, which on the CPU gather in line; or early in the main one) and every newest row is backed up after the last layer: bit-identical
     to no-offload, step after step. Host rows nothing wrote are NaN, so a row evicted before its
     backup, or a prefetch that read the wrong rows, shows."""
     prompt_lens, steps = [5, 20, 70], 12
