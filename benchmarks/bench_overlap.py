@@ -149,7 +149,7 @@ def model_config() -> DSAModelConfig:
 def runner_for(model, mode: str, defer_backup: bool, kv_cache_dtype: str, implementation=None, compiler_options=None) -> ModelRunner:
     """A ModelRunner whose jitted decode step runs with this prefetch mode and backup placement
     (the engine calls runner.decode_step; the jit is rebuilt as ModelRunner._jitted builds it)."""
-    runner = ModelRunner(model, kv_cache_dtype=kv_cache_dtype, implementation=implementation)
+    runner = ModelRunner(model, kv_cache_dtype=kv_cache_dtype, implementation=implementation, shared_prefetch=mode)
     original = runner._jitted
 
     def jitted(cache):
@@ -376,6 +376,29 @@ class StepProbe:
         del self.runner.decode_step
 
 
+def plot_timeline(timeline: list, path: str, title: str) -> None:
+    """One traced step's kernels as bars per CUDA stream, the copy kernels in orange."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    streams = sorted({k["stream"] for k in timeline}, key=lambda name: -sum(k["dur_us"] for k in timeline if k["stream"] == name))
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.8 * len(streams)))
+    for row, stream in enumerate(streams):
+        mine = [k for k in timeline if k["stream"] == stream]
+        for copy in (False, True):
+            bars = [(k["start_us"] / 1e3, max(k["dur_us"], 1.0) / 1e3) for k in mine if any(c in k["kernel"] for c in COPY_KERNELS) == copy]
+            ax.broken_barh(bars, (row - 0.4, 0.8), color="tab:orange" if copy else "tab:blue", label=("copy kernels" if copy else "other kernels") if row == 0 else None)
+    ax.set_yticks(range(len(streams)), [s.split("(")[0] for s in streams])
+    ax.set_xlabel("ms into the step")
+    ax.set_title(title)
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def run_phase(name, engine: Engine, prompt) -> dict:
     t = time.perf_counter()
     before = hlo_files()
@@ -407,6 +430,11 @@ def run_phase(name, engine: Engine, prompt) -> dict:
             if "stream" in name and timeline:
                 with open(os.path.join(ARGS.out, f"timeline_{name}.json"), "w") as f:
                     json.dump(timeline, f)
+                try:
+                    itl = phase["itl_ms"].get("p50", float("nan"))
+                    plot_timeline(timeline, os.path.join(ARGS.out, f"timeline_{name}.png"), f"{name}: one decode step's kernels per stream (ITL p50 {itl:.2f} ms)")
+                except Exception as error:  # the JSON holds the timeline
+                    log(f"timeline plot skipped: {error!r}")
         except Exception as error:  # the timings stand without it
             phase["trace"] = dict(error=repr(error), trace=traceback.format_exc()[-2000:])
     new = sorted(hlo_files() - before)
@@ -493,6 +521,7 @@ def main():
     model = DSAForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     jax.block_until_ready(nnx.state(model))
     log(f"model: {config.num_layers} layers {config.indexer_types}, hidden {config.hidden_size}, built in {time.perf_counter() - t:.1f}s")
+    RESULTS["default_shared_prefetch"] = ModelRunner(model).shared_prefetch  # what a runner picks unless told
     RESULTS["setup"] = dict(
         layers=config.num_layers, indexer_types=config.indexer_types, hidden=config.hidden_size, heads=config.num_heads,
         experts=config.n_routed_experts, top_k=config.index_topk, context=context, slots=ARGS.slots,
@@ -513,14 +542,15 @@ def main():
             continue
         start = time.perf_counter()
         try:
-            mode, defer, options = PHASE_MODES.get(name, ("off", True, None))
+            # "<phase>_run<n>": the same phase again (run-to-run spread in one process)
+            mode, defer, options = PHASE_MODES.get(name.split("_run")[0], ("off", True, None))
             if name.startswith("ffi_stream_b"):  # ffi_stream_b<N>: the side gather on N blocks
                 mode = "ffi_stream"
                 os.environ["HISPARSE_SIDE_GATHER_BLOCKS"] = name.removeprefix("ffi_stream_b")
             else:
                 os.environ.pop("HISPARSE_SIDE_GATHER_BLOCKS", None)
             runner = runner_for(model, mode, defer, ARGS.kv_cache_dtype, compiler_options=options)
-            kind = "baseline" if name == "baseline" else "hisparse"
+            kind = "baseline" if name.split("_run")[0] == "baseline" else "hisparse"
             if kind not in engines:
                 engines.clear()  # one engine's memory at a time
                 engines[kind] = Engine(runner, EngineConfig(

@@ -154,6 +154,15 @@ class DSAModelConfig:
         """Layers that run their own indexer, in order; their keys fill the indexer cache."""
         return tuple(i for i, t in enumerate(self.indexer_types) if t == "full")
 
+    def shared_layers_after(self, layer: int) -> tuple[int, ...]:
+        """The shared-index layers that follow full layer `layer` and reuse its top-k (IndexShare)."""
+        shared = []
+        for l in range(layer + 1, self.num_layers):
+            if self.indexer_types[l] != "shared":
+                break
+            shared.append(l)
+        return tuple(shared)
+
     def indexer_cache_index(self, layer: int) -> int:
         """Row of the indexer key cache [L_full, ...] that full layer `layer` owns."""
         return self.full_indexer_layers.index(layer)

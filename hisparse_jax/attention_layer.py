@@ -45,6 +45,7 @@ from jax.experimental.compute_on import compute_on
 
 from hisparse_jax.state import KVState, jit_donating_state
 from pallas_kernels.common import check_equal, check_layer_index, check_rank, resolve_implementation
+from pallas_kernels import side_stream_gather
 from pallas_kernels.side_stream_gather import PendingGather
 from pallas_kernels.sparse_mla_attention import sparse_mla_attention
 from pallas_kernels.swap_in import SwapInPlan
@@ -183,25 +184,26 @@ def shared_attention_layer(
 
 # ---- shared-index prefetch ---------------------------------------------------------------------
 
-# The A/B switch (HISPARSE.md section 6): "ffi_stream" gathers on a CUDA stream of our own through
-# two XLA FFI calls (pallas_kernels.side_stream_gather), "stream" through XLA's stream annotation
-# (compute_on "gpu_stream:1"), "early" in the main stream (XLA alone orders it), "off" (default,
-# see shared_prefetch_mode) replays in line.
+# The A/B switch (HISPARSE.md section 6): "ffi_stream" (the GPU default, see shared_prefetch_mode)
+# gathers on a CUDA stream of our own through two XLA FFI calls (pallas_kernels.side_stream_gather),
+# "stream" through XLA's stream annotation (compute_on "gpu_stream:1"), "early" in the main stream
+# (XLA alone orders it), "off" replays in line.
 SHARED_PREFETCH_ENV = "HISPARSE_SHARED_PREFETCH"
 SHARED_PREFETCH_MODES = ("ffi_stream", "stream", "early", "off")
 SIDE_STREAM = "gpu_stream:1"  # XLA's stream annotation (compute_on); the main stream is 0
 
 
 def shared_prefetch_mode(mode: str | None = None, implementation: str | None = None) -> str:
-    """The prefetch mode: `mode`, else $HISPARSE_SHARED_PREFETCH, else "off". "off" is the default:
-    "stream" and "early" overlap nothing on JAX 0.11.2 (XLA schedules the side-stream call's
-    start right before its done; H200, docs/perf/bench_overlap_h200_2026-12-01.json) and every
-    prefetch mode holds R x K rows of device memory per shared layer in flight; "ffi_stream"
-    builds a CUDA library on first use (nvcc). "off" for the TPU kernels (no gather yet) unless
+    """The prefetch mode: `mode`, else $HISPARSE_SHARED_PREFETCH, else the default: "ffi_stream"
+    on a CUDA GPU with nvcc to build its gather (the one mode that overlaps on the H200:
+    docs/architecture.md, "Overlap"), else "off". "stream" and "early" stay for A/B runs: on
+    JAX 0.11.2 XLA schedules the annotated call's start right before its done, so they overlap
+    nothing. Every prefetch mode holds up to K rows per request of each pending shared layer on
+    the device (DeviceFootprint counts them). The TPU kernels have no gather: "off" unless
     named. Raises ValueError for an unknown mode."""
     chosen = mode or os.environ.get(SHARED_PREFETCH_ENV) or None
     if chosen is None:
-        return "off"
+        return "ffi_stream" if resolve_implementation(implementation) == "pallas" and side_stream_gather.available() else "off"
     if chosen != "off" and resolve_implementation(implementation) == "tpu":
         raise ValueError(f"shared prefetch mode {chosen!r} needs the GPU / reference kernels: the TPU path has no gather yet")
     if chosen not in SHARED_PREFETCH_MODES:

@@ -213,10 +213,10 @@ def decode_step(
     Copies off the critical path (docs/architecture.md, "Overlap"): every layer's newest row is
     backed up to the host pool after the last layer (kv_cache_ops.backup_newest_rows), and each
     shared-index layer's rows are fetched as soon as its anchor's plan exists, on a second GPU
-    stream (attention_layer.prefetch_shared_rows). shared_prefetch: "stream", "early" or "off"
-    (in-line replay); None reads $HISPARSE_SHARED_PREFETCH (default "off": on the
-    H200 XLA put each side-stream start right before its done, so nothing overlapped; see
-    docs/architecture.md). defer_backup=False
+    stream (attention_layer.prefetch_shared_rows). shared_prefetch: "ffi_stream", "stream",
+    "early" or "off" (in-line replay); None reads $HISPARSE_SHARED_PREFETCH, else the default
+    (attention_layer.shared_prefetch_mode: "ffi_stream" on a GPU with nvcc, the one mode that
+    overlaps; see docs/architecture.md). defer_backup=False
     backs each row up in its own layer (the earlier behaviour; it forces prefetch "off": the
     in-place pool writes would sit between the prefetches and their layers). Over a mesh the
     layers keep their in-line replay and per-layer backup.
@@ -254,7 +254,7 @@ def decode_step(
                 layer, x, q_resid, cos, sin, index_keys, key_scales, j, positions, override, indexer_implementation
             )  # fmt: skip
             indexer_selected.append(jnp.sum(indexer_choice >= 0, axis=1, dtype=jnp.int32))
-            shared = _shared_layers_after(config, l)
+            shared = config.shared_layers_after(l)
             kv, out, anchor = attend_layer(kv, l, query, new_row, positions, selected, record_plan=bool(shared), **attend, **deferred)
             info = anchor
             if prefetch != "off":  # the plan exists now: start every shared layer's copy
@@ -272,16 +272,6 @@ def decode_step(
     kv = advance(kv, positions >= 0)
     cache = DecodeCache(kv, index_keys, key_scales)
     return cache, model.logits(h), StepTelemetry(jnp.stack(hits), jnp.stack(misses), jnp.stack(indexer_selected))
-
-
-def _shared_layers_after(config: DSAModelConfig, layer: int) -> tuple[int, ...]:
-    """The shared-index layers that follow full layer `layer` and use its top-k (IndexShare)."""
-    shared = []
-    for l in range(layer + 1, config.num_layers):
-        if config.indexer_types[l] != "shared":
-            break
-        shared.append(l)
-    return tuple(shared)
 
 
 # ---- prefill --------------------------------------------------------------------------------------
@@ -325,10 +315,13 @@ class ModelRunner:
         implementation: str | None = None,
         parallel: dp_sharding.ParallelConfig | None = None,
         kv_cache_dtype: str = "auto",
+        shared_prefetch: str | None = None,
     ):
         """parallel: tensor / data-parallel-attention layout (hisparse_jax.sharding); None or a
         single-device config runs on the default device. kv_cache_dtype: the caches' format
-        (create_cache; "fp8_e4m3": fp8 rows and indexer keys), also what prefill_kv hands over."""
+        (create_cache; "fp8_e4m3": fp8 rows and indexer keys), also what prefill_kv hands over.
+        shared_prefetch: decode_step's, resolved now (attention_layer.shared_prefetch_mode; "off"
+        over a mesh), so the engine can count the rows it stages (DeviceFootprint)."""
         self.config = model.config
         self.dtype = model.dtype
         self.kv_cache_dtype = kv_cache_dtype
@@ -337,6 +330,7 @@ class ModelRunner:
         self.implementation = implementation
         self.parallel = parallel
         self.mesh = None if parallel is None or parallel.is_single_device else parallel.make_mesh()
+        self.shared_prefetch = "off" if self.mesh is not None else shared_prefetch_mode(shared_prefetch, implementation)
         self.graphdef, self.params = nnx.split(model)
         if self.mesh is not None:
             self.params = shard_params(self.params, self.mesh, parallel)
@@ -372,7 +366,9 @@ class ModelRunner:
                 ),
                 move=jax.jit(move_request, donate_argnums=0, out_shardings=cache_shardings(cache)),
                 decode=jax.jit(
-                    functools.partial(decode_step, self.graphdef, implementation=self.implementation, mesh=self.mesh),
+                    functools.partial(
+                        decode_step, self.graphdef, implementation=self.implementation, mesh=self.mesh, shared_prefetch=self.shared_prefetch
+                    ),
                     donate_argnums=1,
                     out_shardings=(cache_shardings(cache), rest, rest),
                 ),

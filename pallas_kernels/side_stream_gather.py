@@ -71,6 +71,11 @@ def _find_nvcc() -> str | None:
     return next((c for c in candidates if c and os.path.exists(c)), None)
 
 
+def available() -> bool:
+    """Whether the side-stream gather can run here: a CUDA GPU with nvcc to build it."""
+    return on_gpu() and _find_nvcc() is not None
+
+
 def _build(source: Path, platform: str) -> Path:
     """The shared library of `source` for `platform` ("cuda" or "cpu"), compiled once per source hash."""
     include = jax.ffi.include_dir()

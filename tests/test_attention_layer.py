@@ -303,7 +303,9 @@ def test_backup_newest_rows_checks_its_layers(states):
 
 def test_shared_prefetch_mode(monkeypatch):
     monkeypatch.delenv("HISPARSE_SHARED_PREFETCH", raising=False)
-    assert shared_prefetch_mode() == "off"  # until the H200 shows an overlap (docs/architecture.md)
+    assert shared_prefetch_mode() == "off"  # on the CPU; "ffi_stream" on a GPU with nvcc
+    monkeypatch.setenv("HISPARSE_SHARED_PREFETCH", "ffi_stream")
+    assert shared_prefetch_mode() == "ffi_stream"
     monkeypatch.setenv("HISPARSE_SHARED_PREFETCH", "stream")
     assert shared_prefetch_mode() == "stream"
     with pytest.raises(ValueError, match=r"the TPU path has no gather yet"):

@@ -179,6 +179,12 @@ def test_device_footprint_counts_rows_and_indexer_keys():
     assert on.request_bytes(100) == 3 * 21 * row + 3 * 100 * key  # B + the newest-token slot
     ten = 10 * (3 * 21 * row + 3 * 100 * key)
     assert on.capacity(ten, 100) == 10 and on.capacity(ten - 1, 100) == 9
+    # A shared-layer prefetch stages top_k rows per shared layer after the longest anchor run
+    glm = DSAModelConfig.tiny_glm()  # full, full, shared, full, shared: one shared layer per run
+    staged = DeviceFootprint.of(glm, jnp.float32, HiSparseConfig(top_k=glm.index_topk), shared_prefetch="ffi_stream")
+    plain = DeviceFootprint.of(glm, jnp.float32, HiSparseConfig(top_k=glm.index_topk))
+    assert staged.request_bytes(100) - plain.request_bytes(100) == glm.index_topk * staged.row_bytes
+    assert DeviceFootprint.of(glm, jnp.float32, None, shared_prefetch="ffi_stream").staged_rows == 0  # baseline: none
 
 
 def test_eos_ends_a_request_early(runner, workload, alone):

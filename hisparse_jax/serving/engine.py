@@ -166,7 +166,8 @@ class Engine:
         else:
             if hisparse is not None and hisparse.top_k != model.index_topk:
                 raise UsageError(f"hisparse_config top_k ({hisparse.top_k}) must equal the model's index_topk ({model.index_topk})")
-            self.footprint = DeviceFootprint.of(model, runner.dtype, hisparse, runner.kv_cache_dtype)  # the runner's cache format
+            # the runner's cache format and prefetch mode
+            self.footprint = DeviceFootprint.of(model, runner.dtype, hisparse, runner.kv_cache_dtype, runner.shared_prefetch)
         if hisparse is not None and hisparse.dynamic_residency is not None and runner.mesh is not None:
             raise UsageError("dynamic_residency does not run with data-parallel attention yet (one device pool per engine)")
         self.cache: DecodeCache = self._empty_cache()
