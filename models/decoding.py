@@ -300,6 +300,14 @@ def padded_prompt_length(prompt_len: int, chunk: int) -> tuple[int, int]:
     return -(-prompt_len // chunk) * chunk, chunk
 
 
+def resolved_shared_prefetch(parallel, implementation: str | None, shared_prefetch: str | None = None) -> str:
+    """The prefetch mode a ModelRunner built with these arguments decodes with: "off" over a
+    mesh (the layers run per group in shard_map), else attention_layer.shared_prefetch_mode's."""
+    if parallel is not None and not parallel.is_single_device:
+        return "off"
+    return shared_prefetch_mode(shared_prefetch, implementation)
+
+
 class ModelRunner:
     """A model split once into (graph, params) with its jitted prefill and decode functions.
 
@@ -330,7 +338,7 @@ class ModelRunner:
         self.implementation = implementation
         self.parallel = parallel
         self.mesh = None if parallel is None or parallel.is_single_device else parallel.make_mesh()
-        self.shared_prefetch = "off" if self.mesh is not None else shared_prefetch_mode(shared_prefetch, implementation)
+        self.shared_prefetch = resolved_shared_prefetch(parallel, implementation, shared_prefetch)
         self.graphdef, self.params = nnx.split(model)
         if self.mesh is not None:
             self.params = shard_params(self.params, self.mesh, parallel)

@@ -33,6 +33,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import jax
@@ -71,9 +72,19 @@ def _find_nvcc() -> str | None:
     return next((c for c in candidates if c and os.path.exists(c)), None)
 
 
+@functools.cache
 def available() -> bool:
-    """Whether the side-stream gather can run here: a CUDA GPU with nvcc to build it."""
-    return on_gpu() and _find_nvcc() is not None
+    """Whether the side-stream gather runs here: a CUDA GPU, and its library built and
+    registered (nvcc found). A failed build warns once and answers False (the caller's default
+    then copies in line); naming the mode explicitly raises the build error instead."""
+    if not on_gpu() or _find_nvcc() is None:
+        return False
+    try:
+        register()
+    except (RuntimeError, OSError) as error:
+        warnings.warn(f"the side-stream gather is unavailable ({error}); shared layers copy in line", stacklevel=2)
+        return False
+    return True
 
 
 def _build(source: Path, platform: str) -> Path:

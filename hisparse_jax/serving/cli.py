@@ -53,7 +53,7 @@ from hisparse_jax.sharding import ParallelConfig, ParallelConfigError
 from hisparse_jax.serving.telemetry import format_summary, steps_to_json, write_json
 from models.decoder import DSAForCausalLM
 from models import families, inputs
-from models.decoding import ModelRunner, decode_checkpoint
+from models.decoding import ModelRunner, decode_checkpoint, resolved_shared_prefetch
 from models.loading import CheckpointError, load_hf_checkpoint
 
 DTYPES = {name: getattr(jnp, name) for name in DTYPE_NAMES}
@@ -218,7 +218,8 @@ def _prepare(args: ServingArgs) -> _Prepared:
         if family.footprint is not None:  # DeepSeek-V4, MiniMax-M3: the runner's own count
             footprint = family.footprint(config, dtype, hisparse)
         else:
-            footprint = DeviceFootprint.of(config, dtype, hisparse, args.kv_cache_dtype)
+            prefetch = resolved_shared_prefetch(args.parallel, args.implementation)  # as the runner will
+            footprint = DeviceFootprint.of(config, dtype, hisparse, args.kv_cache_dtype, prefetch)
         budget = args.max_running_requests * footprint.request_bytes(context)
         budget_source = "auto: max_running_requests HiSparse requests at context_length"
     return _Prepared(config, hisparse, requests, context, model, model_name, budget, budget_source)
