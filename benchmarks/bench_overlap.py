@@ -115,6 +115,24 @@ PHASE_MODES = {
 }  # fmt: skip
 
 
+def phase_setup(name: str) -> tuple:
+    """(prefetch mode, backups after the last layer, compile options) of phase `name`, with the
+    environment its variants read set: "<phase>_run<n>" repeats a phase; "ffi_stream_b<N>"
+    runs the side gather on N blocks; "ffi_stream_<point>" starts the gathers at <point>
+    (models.decoding.prefetch_start_point: attention, staggered)."""
+    base = name.split("_run")[0]
+    os.environ.pop("HISPARSE_SIDE_GATHER_BLOCKS", None)
+    os.environ.pop("HISPARSE_PREFETCH_START", None)
+    if base.startswith("ffi_stream_"):
+        variant = base.removeprefix("ffi_stream_")
+        if variant[:1] == "b" and variant[1:].isdigit():
+            os.environ["HISPARSE_SIDE_GATHER_BLOCKS"] = variant[1:]
+        else:
+            os.environ["HISPARSE_PREFETCH_START"] = variant
+        return ("ffi_stream", True, None)
+    return PHASE_MODES.get(base, ("off", True, None))
+
+
 def log(*args):
     print(f"[{time.perf_counter() - T0:7.1f}s]", *args, flush=True)
 
@@ -460,7 +478,7 @@ def tiny_check() -> dict:
     out = {}
     base = generate(ModelRunner(model), prompts, 8, fill_value=np.nan)
     for phase in [m.strip() for m in ARGS.tiny_modes.split(",") if m.strip()]:
-        mode, _, options = PHASE_MODES[phase]
+        mode, _, options = phase_setup(phase)
         got = generate(runner_for(model, mode, True, "auto", compiler_options=options), prompts, 8,
                        hisparse=HiSparseConfig(top_k=8, device_buffer_size=10), page_size=8, fill_value=np.nan)  # fmt: skip
         out[phase] = dict(
@@ -542,13 +560,7 @@ def main():
             continue
         start = time.perf_counter()
         try:
-            # "<phase>_run<n>": the same phase again (run-to-run spread in one process)
-            mode, defer, options = PHASE_MODES.get(name.split("_run")[0], ("off", True, None))
-            if name.startswith("ffi_stream_b"):  # ffi_stream_b<N>: the side gather on N blocks
-                mode = "ffi_stream"
-                os.environ["HISPARSE_SIDE_GATHER_BLOCKS"] = name.removeprefix("ffi_stream_b")
-            else:
-                os.environ.pop("HISPARSE_SIDE_GATHER_BLOCKS", None)
+            mode, defer, options = phase_setup(name)
             runner = runner_for(model, mode, defer, ARGS.kv_cache_dtype, compiler_options=options)
             kind = "baseline" if name.split("_run")[0] == "baseline" else "hisparse"
             if kind not in engines:

@@ -103,6 +103,7 @@ def attention_layer(
     implementation: str | None = None,
     record_plan: bool = False,
     backup: bool = True,
+    before_attention=None,  # (state, plan, query) -> query: work to issue after the swap-in
 ):
     """One DSA layer's decode attention -> (state, f32[R, H, D], LayerStepInfo); D = latent_dim.
 
@@ -116,7 +117,9 @@ def attention_layer(
     to the host, and attends over the selected rows. record_plan keeps the swap-in plan in the
     info, for a following shared_attention_layer. backup=False leaves the backup of new_row to
     the caller, who must run kv_cache_ops.backup_newest_rows before the next step (the reserved
-    slot holds the row until then). Traceable; call it inside the model's jitted,
+    slot holds the row until then). before_attention(state, plan, query) -> query runs once the
+    layer's rows are in place, before its attention (e.g. starting shared layers' side-stream
+    gathers, threaded through the query). Traceable; call it inside the model's jitted,
     state-donating decode step. Raises ValueError on inconsistent static shapes.
     """
     _check_step_inputs(state, layer, query, new_row, positions, "topk", topk)
@@ -125,6 +128,8 @@ def attention_layer(
     state, plan = state.swap_in(layer, topk, lengths_from_positions(positions), implementation=implementation)
     if backup:
         state = state.backup_newest(layer, new_row, positions, implementation=implementation)
+    if before_attention is not None:
+        query = before_attention(state, plan, query)
     out = _attend(state, query, layer, plan, latent_dim, sm_scale, implementation)
     return state, out, LayerStepInfo(plan.num_hits, plan.num_misses, plan if record_plan else None)
 
@@ -152,6 +157,7 @@ def shared_attention_layer(
     implementation: str | None = None,
     prefetched: jax.Array | PendingGather | None = None,  # prefetch_shared_rows(state, layer, anchor)[0]
     backup: bool = True,
+    before_attention=None,  # as attention_layer's
 ):
     """A layer that reuses its anchor's top-k (GLM IndexShare) -> (state, f32[R, H, D], LayerStepInfo).
 
@@ -159,8 +165,8 @@ def shared_attention_layer(
     in place of topk. The anchor's swap-in decisions hold for it too, so it replays the anchor's
     miss plan into its own buffer: from `prefetched` rows (fetched early, see
     prefetch_shared_rows) when given, else as a copy-only kernel from the host pool now. Its own
-    buffer_tokens / lru_slots rows are not consulted: the anchor's govern both layers. backup as
-    attention_layer's. The returned info carries the anchor's plan and counters.
+    buffer_tokens / lru_slots rows are not consulted: the anchor's govern both layers. backup and
+    before_attention as attention_layer's. The returned info carries the anchor's plan and counters.
     """
     if anchor.plan is None:
         raise ValueError("shared_attention_layer needs the anchor's plan: call attention_layer(..., record_plan=True)")
@@ -178,6 +184,8 @@ def shared_attention_layer(
         state = state.replay_swap_in(layer, plan, implementation=implementation)
     if backup:
         state = state.backup_newest(layer, new_row, positions, implementation=implementation)
+    if before_attention is not None:
+        query = before_attention(state, plan, query)
     out = _attend(state, query, layer, plan, latent_dim, sm_scale, implementation)
     return state, out, LayerStepInfo(plan.num_hits, plan.num_misses, plan)
 

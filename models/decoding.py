@@ -240,6 +240,7 @@ def decode_step(
     late_backup = mesh is None and defer_backup
     prefetch = shared_prefetch_mode(shared_prefetch, implementation) if late_backup else "off"
     deferred = dict(backup=False) if late_backup else {}
+    start_at = prefetch_start_point() if prefetch == "ffi_stream" else "mlp"
     anchor, hits, misses, indexer_selected = None, [], [], []
     newest, prefetched = [], {}  # row[R, W] per layer; shared layer -> row[R, K, W] (or None)
     for l, layer in enumerate(model.layers):
@@ -255,14 +256,20 @@ def decode_step(
             )  # fmt: skip
             indexer_selected.append(jnp.sum(indexer_choice >= 0, axis=1, dtype=jnp.int32))
             shared = config.shared_layers_after(l)
-            kv, out, anchor = attend_layer(kv, l, query, new_row, positions, selected, record_plan=bool(shared), **attend, **deferred)
+            hook = {}
+            if shared and start_at != "mlp":  # ffi_stream: start before the anchor's attention
+                hook = dict(before_attention=_side_gather_starter(prefetched, shared if start_at == "attention" else shared[:1]))
+            kv, out, anchor = attend_layer(kv, l, query, new_row, positions, selected, record_plan=bool(shared), **attend, **deferred, **hook)
             info = anchor
-            if prefetch != "off":  # the plan exists now: start every shared layer's copy
+            if prefetch != "off" and not hook:  # the plan exists now: start every shared layer's copy
                 for s in shared:  # `out` threads through: the anchor's o_proj + MLP run beside the copies
                     prefetched[s], out = prefetch_shared_rows(kv, s, anchor, implementation=implementation, mode=prefetch, tie=out)
             h = layer.finish(h, out)
         else:
             extra = dict(deferred, prefetched=prefetched.pop(l)) if prefetch != "off" else deferred
+            following = l + 1 < config.num_layers and config.indexer_types[l + 1] == "shared"
+            if start_at == "staggered" and following:  # the next shared layer's gather beside this attention
+                extra = dict(extra, before_attention=_side_gather_starter(prefetched, (l + 1,)))
             kv, out, info = attend_shared(kv, l, query, new_row, positions, anchor, **attend, **extra)
             h = layer.finish(h, out)
         hits.append(info.num_hits)
@@ -272,6 +279,36 @@ def decode_step(
     kv = advance(kv, positions >= 0)
     cache = DecodeCache(kv, index_keys, key_scales)
     return cache, model.logits(h), StepTelemetry(jnp.stack(hits), jnp.stack(misses), jnp.stack(indexer_selected))
+
+
+PREFETCH_START_ENV = "HISPARSE_PREFETCH_START"
+PREFETCH_START_POINTS = ("staggered", "attention", "mlp")
+
+
+def prefetch_start_point() -> str:
+    """Where "ffi_stream" starts the shared layers' gathers ($HISPARSE_PREFETCH_START):
+    "staggered" (default: the first before the anchor's attention, each next one before the
+    previous shared layer's attention), "attention" (all before the anchor's attention), "mlp"
+    (all after it, beside its o_proj + MLP). A gather beside an attention kernel slows it
+    little; beside the MLP's cuBLAS GEMMs, whose blocks need whole multiprocessors, it slows
+    them (H200: device hidden fraction 0.63-0.65 staggered, 0.45 attention, 0.40 mlp;
+    docs/PERFORMANCE.md)."""
+    point = os.environ.get(PREFETCH_START_ENV) or "staggered"
+    if point not in PREFETCH_START_POINTS:
+        raise ValueError(f"${PREFETCH_START_ENV} must be one of {PREFETCH_START_POINTS}, got {point!r}")
+    return point
+
+
+def _side_gather_starter(prefetched: dict, layers):
+    """A before_attention hook that starts `layers`' side-stream gathers from the plan it is
+    given, threading the query through each start, and files them in `prefetched`."""
+
+    def start(state, plan, query):
+        for s in layers:
+            prefetched[s], query = state.start_side_prefetch(s, plan, query)
+        return query
+
+    return start
 
 
 # ---- prefill --------------------------------------------------------------------------------------

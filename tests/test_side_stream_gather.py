@@ -20,7 +20,7 @@ from configs.model import DSAModelConfig
 from hisparse_jax import memory
 from hisparse_jax.config import HiSparseConfig
 from models.decoder import DSAForCausalLM
-from models.decoding import ModelRunner
+from models.decoding import ModelRunner, generate, prefetch_start_point
 from pallas_kernels.row_copy import gather_host_rows_reference
 from pallas_kernels.side_stream_gather import PendingGather, side_gather_start, side_gather_wait
 
@@ -86,3 +86,28 @@ def test_decode_step_threads_compute_through_start_and_wait():
     for array in (cache.kv.host_pool, cache.kv.device_buffer):
         shape = f"{jnp.dtype(array.dtype).name.replace('float', 'f')}[{','.join(map(str, array.shape))}]"
         assert memory.hlo_copy_lines(compiled, shape) == []
+
+
+@pytest.mark.parametrize(
+    "start_at",  # CI runs the default; "mlp" is also the start test_attention_layer's ffi_stream case uses
+    ["staggered", pytest.param("attention", marks=pytest.mark.slow), pytest.param("mlp", marks=pytest.mark.slow)],
+)
+def test_every_start_point_decodes_as_no_offload(monkeypatch, start_at):
+    """A GLM pattern with consecutive shared layers (F S S F S), NaN in every unwritten row:
+    wherever the gathers start (models.decoding.prefetch_start_point), HiSparse with the
+    side-stream prefetch decodes the logits of no offload bit for bit."""
+    monkeypatch.setenv("HISPARSE_PREFETCH_START", start_at)
+    config = DSAModelConfig.tiny_glm().replace(indexer_types=("full", "shared", "shared", "full", "shared"))
+    model = DSAForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    prompts = np.random.default_rng(1).integers(0, config.vocab_size, (2, 21)).astype(np.int32)
+    base = generate(ModelRunner(model, shared_prefetch="off"), prompts, 6, fill_value=np.nan)
+    got = generate(ModelRunner(model, shared_prefetch="ffi_stream"), prompts, 6,
+                   hisparse=HiSparseConfig(top_k=8, device_buffer_size=10), page_size=8, fill_value=np.nan)  # fmt: skip
+    assert got.num_misses.sum() > 0
+    np.testing.assert_array_equal(got.logits, base.logits)
+
+
+def test_an_unknown_start_point_is_refused(monkeypatch):
+    monkeypatch.setenv("HISPARSE_PREFETCH_START", "sideways")
+    with pytest.raises(ValueError, match=r"HISPARSE_PREFETCH_START must be one of"):
+        prefetch_start_point()
