@@ -19,7 +19,9 @@ Phases, one engine per memory mode, one process (the model is built once):
               GPU stream (compute_on "gpu_stream:1", XLA stream annotation);
   early:      HiSparse, the same prefetch on the main stream (what XLA's scheduling alone gives);
   ffi_stream: HiSparse, the shared layers' gathers on a CUDA stream of our own through two XLA
-              FFI calls (pallas_kernels.side_stream_gather), started after the anchor's attention;
+              FFI calls (pallas_kernels.side_stream_gather), started staggered (each before the
+              attention before its layer); ffi_stream_<point> (mlp, attention) starts them
+              elsewhere, ffi_stream_b<N> runs them on N blocks; <phase>_run<n> repeats a phase;
   eager:      "off" with the old per-layer eager backup (item 4's before), if time allows.
 Each phase times --steps engine steps after --warm_steps (ITL = the engine's step time, from the
 decode call until its tokens are on the host) and records a profiler trace of --trace_steps

@@ -23,7 +23,7 @@ nothing):
 Shared-index layers (GLM IndexShare) replay their anchor's plan. prefetch_shared_rows fetches a
 shared layer's missed rows as soon as the anchor's plan exists, into a fresh array on a second
 GPU stream (mode "ffi_stream": a CUDA stream of our own, two XLA FFI calls; "stream": XLA's
-stream annotation), so the PCIe copy runs beside the anchor's MLP and the layers in between;
+stream annotation), so the PCIe copy runs beside the attention kernels of the layers between;
 shared_attention_layer(prefetched=...) then only places them (device to device).
 docs/architecture.md ("Overlap") says which mode overlaps and what the H200 profile shows.
 
