@@ -90,7 +90,8 @@ def available() -> bool:
 def _build(source: Path, platform: str) -> Path:
     """The shared library of `source` for `platform` ("cuda" or "cpu"), compiled once per source hash."""
     include = jax.ffi.include_dir()
-    digest = hashlib.sha256(source.read_bytes() + include.encode() + jax.__version__.encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    digest = hashlib.sha256(source.read_bytes() + headers + include.encode() + jax.__version__.encode()).hexdigest()[:16]
     target = build_dir() / f"lib{source.stem}_{digest}.so"
     if target.exists():
         return target
@@ -99,12 +100,12 @@ def _build(source: Path, platform: str) -> Path:
         compiler = _find_nvcc()
         if compiler is None:
             raise RuntimeError("the side-stream gather needs nvcc (CUDA's compiler) on PATH or under $CUDA_HOME/bin to build its kernel")
-        command = [compiler, "-O3", "-std=c++17", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC", f"-I{include}", str(source)]
+        command = [compiler, "-O3", "-std=c++17", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC", f"-I{include}", f"-I{source.parent}", str(source)]
     else:
         compiler = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
         if compiler is None:
             raise RuntimeError("the side-stream gather's CPU version needs a C++ compiler (c++ / g++, or $CXX)")
-        command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{include}", str(source)]
+        command = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{include}", f"-I{source.parent}", str(source)]
     partial = target.with_suffix(f".{os.getpid()}.tmp")  # concurrent builders each rename a whole file
     result = subprocess.run([*command, "-o", str(partial)], capture_output=True, text=True)
     if result.returncode != 0:

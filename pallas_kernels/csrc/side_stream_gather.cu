@@ -27,6 +27,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "side_stream_gather.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -142,30 +143,9 @@ ffi::Error GatherWait(cudaStream_t compute, int32_t device, ffi::AnyBuffer /*row
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSideGatherStart, GatherStart,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()        // pool row[L, S, W], pinned host
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer i32[1]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // host_slots i32[R, K]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts i32[R]
-                                  .Arg<ffi::AnyBuffer>()        // tie
-                                  .Ret<ffi::AnyBuffer>()        // rows row[R, K, W]
-                                  .Ret<ffi::AnyBuffer>()        // tie (aliased)
-                                  .Attr<int64_t>("tag")
-                                  .Attr<int64_t>("blocks")
-                                  .Attr<int64_t>("threads"));
+                              hisparse::GatherStartSignature(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSideGatherWait, GatherWait,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // rows (aliased)
-                                  .Arg<ffi::AnyBuffer>()  // pool: kept alive until here
-                                  .Arg<ffi::AnyBuffer>()  // layer: kept alive
-                                  .Arg<ffi::AnyBuffer>()  // host_slots: kept alive
-                                  .Arg<ffi::AnyBuffer>()  // counts: kept alive
-                                  .Arg<ffi::AnyBuffer>()  // tie
-                                  .Ret<ffi::AnyBuffer>()  // rows
-                                  .Ret<ffi::AnyBuffer>()  // tie
-                                  .Attr<int64_t>("tag"));
+                              hisparse::GatherWaitSignature(
+                                  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>()));

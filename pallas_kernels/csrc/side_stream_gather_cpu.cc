@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "side_stream_gather.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -41,27 +42,6 @@ ffi::Error GatherWait(ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBu
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSideGatherStart, GatherStart,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()         // pool row[L, S, W]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer i32[1]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // host_slots i32[R, K]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // counts i32[R]
-                                  .Arg<ffi::AnyBuffer>()         // tie
-                                  .Ret<ffi::AnyBuffer>()         // rows row[R, K, W]
-                                  .Ret<ffi::AnyBuffer>()         // tie (aliased)
-                                  .Attr<int64_t>("tag")
-                                  .Attr<int64_t>("blocks")
-                                  .Attr<int64_t>("threads"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSideGatherStart, GatherStart, hisparse::GatherStartSignature(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSideGatherWait, GatherWait,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // rows (aliased)
-                                  .Arg<ffi::AnyBuffer>()  // pool
-                                  .Arg<ffi::AnyBuffer>()  // layer
-                                  .Arg<ffi::AnyBuffer>()  // host_slots
-                                  .Arg<ffi::AnyBuffer>()  // counts
-                                  .Arg<ffi::AnyBuffer>()  // tie
-                                  .Ret<ffi::AnyBuffer>()  // rows
-                                  .Ret<ffi::AnyBuffer>()  // tie
-                                  .Attr<int64_t>("tag"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HisparseSideGatherWait, GatherWait, hisparse::GatherWaitSignature(ffi::Ffi::Bind()));
