@@ -45,7 +45,6 @@ from jax.experimental.compute_on import compute_on
 
 from hisparse_jax.state import KVState, jit_donating_state
 from pallas_kernels.common import check_equal, check_layer_index, check_rank, resolve_implementation
-from pallas_kernels import side_stream_gather
 from pallas_kernels.side_stream_gather import PendingGather
 from pallas_kernels.sparse_mla_attention import sparse_mla_attention
 from pallas_kernels.swap_in import SwapInPlan
@@ -192,8 +191,8 @@ def shared_attention_layer(
 
 # ---- shared-index prefetch ---------------------------------------------------------------------
 
-# The A/B switch (HISPARSE.md section 6): "ffi_stream" (the GPU default, see shared_prefetch_mode)
-# gathers on a CUDA stream of our own through two XLA FFI calls (pallas_kernels.side_stream_gather),
+# The A/B switch (HISPARSE.md section 6): "ffi_stream" (opt-in, see shared_prefetch_mode) gathers
+# on a CUDA stream of our own through two XLA FFI calls (pallas_kernels.side_stream_gather),
 # "stream" through XLA's stream annotation (compute_on "gpu_stream:1"), "early" in the main stream
 # (XLA alone orders it), "off" replays in line.
 SHARED_PREFETCH_ENV = "HISPARSE_SHARED_PREFETCH"
@@ -202,16 +201,19 @@ SIDE_STREAM = "gpu_stream:1"  # XLA's stream annotation (compute_on); the main s
 
 
 def shared_prefetch_mode(mode: str | None = None, implementation: str | None = None) -> str:
-    """The prefetch mode: `mode`, else $HISPARSE_SHARED_PREFETCH, else the default: "ffi_stream"
-    on a CUDA GPU with nvcc to build its gather (the one mode that overlaps on the H200:
-    docs/architecture.md, "Overlap"), else "off". "stream" and "early" stay for A/B runs: on
-    JAX 0.11.2 XLA schedules the annotated call's start right before its done, so they overlap
-    nothing. Every prefetch mode holds up to K rows per request of each pending shared layer on
-    the device (DeviceFootprint counts them). The TPU kernels have no gather: "off" unless
-    named. Raises ValueError for an unknown mode."""
+    """The prefetch mode: `mode`, else $HISPARSE_SHARED_PREFETCH, else "off" (in-line copies).
+
+    "ffi_stream" is the mode that overlaps on the H200 (docs/architecture.md, "Overlap"; it
+    builds a CUDA library with nvcc on first use). It stays opt-in until the layer-level test
+    that failed on the H200 (tests/test_attention_layer.py's ffi_stream case, before the fixes
+    noted there) passes there. "stream" and "early" are A/B modes: on JAX 0.11.2 XLA schedules
+    the annotated call's start right before its done, so they overlap nothing. Every prefetch
+    mode holds up to K rows per request of each pending shared layer on the device
+    (DeviceFootprint counts them). The TPU kernels have no gather. Raises ValueError for an
+    unknown mode."""
     chosen = mode or os.environ.get(SHARED_PREFETCH_ENV) or None
     if chosen is None:
-        return "ffi_stream" if resolve_implementation(implementation) == "pallas" and side_stream_gather.available() else "off"
+        return "off"
     if chosen != "off" and resolve_implementation(implementation) == "tpu":
         raise ValueError(f"shared prefetch mode {chosen!r} needs the GPU / reference kernels: the TPU path has no gather yet")
     if chosen not in SHARED_PREFETCH_MODES:

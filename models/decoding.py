@@ -214,9 +214,9 @@ def decode_step(
     backed up to the host pool after the last layer (kv_cache_ops.backup_newest_rows), and each
     shared-index layer's rows are fetched as soon as its anchor's plan exists, on a second GPU
     stream (attention_layer.prefetch_shared_rows). shared_prefetch: "ffi_stream", "stream",
-    "early" or "off" (in-line replay); None reads $HISPARSE_SHARED_PREFETCH, else the default
-    (attention_layer.shared_prefetch_mode: "ffi_stream" on a GPU with nvcc, the one mode that
-    overlaps; see docs/architecture.md). defer_backup=False
+    "early" or "off" (in-line replay); None reads $HISPARSE_SHARED_PREFETCH, else "off"
+    (attention_layer.shared_prefetch_mode; "ffi_stream" is the one that overlaps, see
+    docs/architecture.md). defer_backup=False
     backs each row up in its own layer (the earlier behaviour; it forces prefetch "off": the
     in-place pool writes would sit between the prefetches and their layers). Over a mesh the
     layers keep their in-line replay and per-layer backup.

@@ -33,7 +33,6 @@ import hashlib
 import os
 import shutil
 import subprocess
-import warnings
 from pathlib import Path
 
 import jax
@@ -70,21 +69,6 @@ def _find_nvcc() -> str | None:
         if root:
             candidates.append(os.path.join(root, "bin", "nvcc"))
     return next((c for c in candidates if c and os.path.exists(c)), None)
-
-
-@functools.cache
-def available() -> bool:
-    """Whether the side-stream gather runs here: a CUDA GPU, and its library built and
-    registered (nvcc found). A failed build warns once and answers False (the caller's default
-    then copies in line); naming the mode explicitly raises the build error instead."""
-    if not on_gpu() or _find_nvcc() is None:
-        return False
-    try:
-        register()
-    except (RuntimeError, OSError) as error:
-        warnings.warn(f"the side-stream gather is unavailable ({error}); shared layers copy in line", stacklevel=2)
-        return False
-    return True
 
 
 def _build(source: Path, platform: str) -> Path:
@@ -165,18 +149,21 @@ def side_gather_start(pool, layer, host_slots, counts, tie, *, tag: int, blocks:
 
 
 def side_gather_wait(rows, pool, layer, host_slots, counts, tie, *, tag: int):
-    """The compute stream waits for side_gather_start(..., tag=tag) -> (rows, tie), both as given
-    (aliased). pool, layer, host_slots, counts: the start's operands (kept alive until here)."""
+    """The compute stream waits for side_gather_start(..., tag=tag) -> (rows, tie), both as given.
+    pool, layer, host_slots, counts: the start's operands (kept alive until here).
+
+    Only `tie` is a result of the call (aliased); rows come back through an optimization barrier
+    with it, so every read of them follows the wait. Were rows a result too, XLA could copy them
+    ahead of the call (to alias them), and the copy would read them before the side stream wrote
+    them: seen on the H200 in tests/test_attention_layer.py's layer harness.
+    """
     if not isinstance(tag, (int, np.integer)):
         raise TypeError(f"tag must be a static int (one per pending gather), got {type(tag).__name__}")
     register()
-    call = jax.ffi.ffi_call(
-        WAIT_TARGET,
-        (jax.ShapeDtypeStruct(rows.shape, rows.dtype), jax.ShapeDtypeStruct(tie.shape, tie.dtype)),
-        input_output_aliases={0: 0, 5: 1},
-    )
+    call = jax.ffi.ffi_call(WAIT_TARGET, jax.ShapeDtypeStruct(tie.shape, tie.dtype), input_output_aliases={5: 0})
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    return call(rows, pool, layer, host_slots.astype(jnp.int32), counts.astype(jnp.int32), tie, tag=np.int64(tag))
+    tie = call(rows, pool, layer, host_slots.astype(jnp.int32), counts.astype(jnp.int32), tie, tag=np.int64(tag))
+    return jax.lax.optimization_barrier((rows, tie))
 
 
 @jax.tree_util.register_dataclass

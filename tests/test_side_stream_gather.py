@@ -77,11 +77,15 @@ def test_decode_step_threads_compute_through_start_and_wait():
     tokens = jnp.zeros(2, jnp.int32)
     lowered = runner._jitted(cache)["decode"].lower(runner.params, cache, tokens, tokens, None)
     text = lowered.as_text()
-    for target in ("hisparse_side_gather_start", "hisparse_side_gather_wait"):
-        calls = re.findall(rf"(%[\w]+):2 = stablehlo.custom_call @{target}\(", text)
-        assert len(calls) == config.indexer_types.count("shared"), target
-        for name in calls:
-            assert f"{name}#1" in text, f"{target}: nothing uses its pass-through result {name}#1"
+    starts = re.findall(r"(%\w+):2 = stablehlo.custom_call @hisparse_side_gather_start\(", text)
+    waits = re.findall(r"(%\w+) = stablehlo.custom_call @hisparse_side_gather_wait\(", text)
+    assert len(starts) == len(waits) == config.indexer_types.count("shared")
+    for name in starts:
+        assert f"{name}#1" in text, f"start: nothing uses its pass-through result {name}#1"
+    for name in waits:  # the wait's tie comes back through a barrier with the rows
+        barrier = re.search(rf"(%\w+):2 = stablehlo.optimization_barrier %[\w#]+, {name}\b", text)
+        assert barrier, f"wait {name}: no barrier orders the rows after it"
+        assert f"{barrier.group(1)}#1" in text, f"wait {name}: nothing uses its pass-through result"
     compiled = lowered.compile().as_text()
     for array in (cache.kv.host_pool, cache.kv.device_buffer):
         shape = f"{jnp.dtype(array.dtype).name.replace('float', 'f')}[{','.join(map(str, array.shape))}]"

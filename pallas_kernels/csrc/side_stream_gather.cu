@@ -8,8 +8,9 @@
 //     records an event on the compute stream (the plan is ready), makes this device's side
 //     stream wait for it, launches the row gather there, and records a per-tag "done" event.
 //     It returns at once: the compute stream goes on with the kernels after it.
-//   hisparse_side_gather_wait   (rows, pool, layer, host_slots, counts, tie) -> (rows, tie)
-//     makes the compute stream wait for that tag's done event. Nothing is copied.
+//   hisparse_side_gather_wait   (rows, pool, layer, host_slots, counts, tie) -> tie
+//     makes the compute stream wait for that tag's done event. Nothing is copied. The caller
+//     reads rows only through an optimization barrier with the returned tie, so after the wait.
 //
 // `tie` is a pass-through (the output aliases the operand): the caller threads a value the
 // following compute needs through each call, so XLA issues the start before that compute and
@@ -95,9 +96,17 @@ ffi::ErrorOr<cudaEvent_t> DoneEvent(SideStream* side, int64_t tag, bool create) 
   return event;
 }
 
+// The pass-through: XLA aliases tie_out to tie, so this copies nothing; were it ever not to,
+// the value still comes through (on the compute stream, in order).
+ffi::Error PassThrough(cudaStream_t compute, const ffi::AnyBuffer& tie, ffi::Result<ffi::AnyBuffer>& tie_out) {
+  if (tie_out->untyped_data() == tie.untyped_data()) return ffi::Error::Success();
+  cudaError_t status = cudaMemcpyAsync(tie_out->untyped_data(), tie.untyped_data(), tie.size_bytes(), cudaMemcpyDeviceToDevice, compute);
+  return status == cudaSuccess ? ffi::Error::Success() : CudaError(status, "pass-through copy");
+}
+
 ffi::Error GatherStart(cudaStream_t compute, int32_t device, ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> layer,
-                       ffi::Buffer<ffi::S32> host_slots, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer /*tie*/,
-                       ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> /*tie_out: aliased*/,
+                       ffi::Buffer<ffi::S32> host_slots, ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer tie,
+                       ffi::Result<ffi::AnyBuffer> rows, ffi::Result<ffi::AnyBuffer> tie_out,
                        int64_t tag, int64_t blocks, int64_t threads) {
   auto pool_dims = pool.dimensions();  // [L, S, W]
   auto slot_dims = host_slots.dimensions();  // [R, K]
@@ -124,20 +133,19 @@ ffi::Error GatherStart(cudaStream_t compute, int32_t device, ffi::AnyBuffer pool
   }
   if ((status = cudaGetLastError()) != cudaSuccess) return CudaError(status, "launch");
   if ((status = cudaEventRecord(*done, (*side)->stream)) != cudaSuccess) return CudaError(status, "record done");
-  return ffi::Error::Success();
+  return PassThrough(compute, tie, tie_out);
 }
 
 ffi::Error GatherWait(cudaStream_t compute, int32_t device, ffi::AnyBuffer /*rows*/, ffi::AnyBuffer /*pool*/,
-                      ffi::AnyBuffer /*layer*/, ffi::AnyBuffer /*host_slots*/, ffi::AnyBuffer /*counts*/, ffi::AnyBuffer /*tie*/,
-                      ffi::Result<ffi::AnyBuffer> /*rows_out: aliased*/, ffi::Result<ffi::AnyBuffer> /*tie_out: aliased*/,
-                      int64_t tag) {
+                      ffi::AnyBuffer /*layer*/, ffi::AnyBuffer /*host_slots*/, ffi::AnyBuffer /*counts*/, ffi::AnyBuffer tie,
+                      ffi::Result<ffi::AnyBuffer> tie_out, int64_t tag) {
   auto side = SideStreamFor(device);
   if (side.has_error()) return side.error();
   auto done = DoneEvent(*side, tag, /*create=*/false);
   if (done.has_error()) return done.error();
   cudaError_t status = cudaStreamWaitEvent(compute, *done, 0);
   if (status != cudaSuccess) return CudaError(status, "compute waits done");
-  return ffi::Error::Success();
+  return PassThrough(compute, tie, tie_out);
 }
 
 }  // namespace

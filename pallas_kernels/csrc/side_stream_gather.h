@@ -25,8 +25,9 @@ auto GatherStartSignature(Binding binding) {
       .template Attr<int64_t>("threads");
 }
 
-// wait(rows, pool, layer, host_slots, counts, tie) -> (rows, tie), both aliased; attribute tag.
-// pool, layer, host_slots and counts are the start's, passed again to keep them alive.
+// wait(rows, pool, layer, host_slots, counts, tie) -> tie (aliased); attribute tag. rows and the
+// start's other operands are passed again to keep them alive; rows is not a result, so XLA never
+// copies it (a copy before the wait would read it before the side stream wrote it).
 template <typename Binding>
 auto GatherWaitSignature(Binding binding) {
   namespace ffi = xla::ffi;
@@ -36,7 +37,6 @@ auto GatherWaitSignature(Binding binding) {
       .template Arg<ffi::AnyBuffer>()            // host_slots
       .template Arg<ffi::AnyBuffer>()            // counts
       .template Arg<ffi::AnyBuffer>()            // tie
-      .template Ret<ffi::AnyBuffer>()            // rows
       .template Ret<ffi::AnyBuffer>()            // tie
       .template Attr<int64_t>("tag");
 }

@@ -12,10 +12,16 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// The pass-through (aliased by XLA, so normally nothing to copy), as the CUDA version's.
+void PassThrough(const ffi::AnyBuffer& tie, ffi::Result<ffi::AnyBuffer>& tie_out) {
+  if (tie_out->untyped_data() != tie.untyped_data()) std::memcpy(tie_out->untyped_data(), tie.untyped_data(), tie.size_bytes());
+}
+
 ffi::Error GatherStart(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> host_slots,
-                       ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer /*tie*/, ffi::Result<ffi::AnyBuffer> rows,
-                       ffi::Result<ffi::AnyBuffer> /*tie_out: aliased*/, int64_t /*tag*/, int64_t /*blocks*/,
+                       ffi::Buffer<ffi::S32> counts, ffi::AnyBuffer tie, ffi::Result<ffi::AnyBuffer> rows,
+                       ffi::Result<ffi::AnyBuffer> tie_out, int64_t /*tag*/, int64_t /*blocks*/,
                        int64_t /*threads*/) {
+  PassThrough(tie, tie_out);
   auto pool_dims = pool.dimensions();        // [L, S, W]
   auto slot_dims = host_slots.dimensions();  // [R, K]
   if (pool_dims.size() != 3 || slot_dims.size() != 2) return ffi::Error::InvalidArgument("hisparse side-stream gather: pool must be [L, S, W], host_slots [R, K]");
@@ -35,9 +41,10 @@ ffi::Error GatherStart(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> layer, ffi::Bu
   return ffi::Error::Success();
 }
 
-ffi::Error GatherWait(ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
-                      ffi::Result<ffi::AnyBuffer>, ffi::Result<ffi::AnyBuffer>, int64_t /*tag*/) {
-  return ffi::Error::Success();  // rows and tie are aliased: nothing to do
+ffi::Error GatherWait(ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer tie,
+                      ffi::Result<ffi::AnyBuffer> tie_out, int64_t /*tag*/) {
+  PassThrough(tie, tie_out);  // no second stream to wait for
+  return ffi::Error::Success();
 }
 
 }  // namespace
