@@ -11,6 +11,6 @@ export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PJRT_GPU_HOST_
 export HISPARSE_JAX_BUILD_DIR=${HISPARSE_JAX_BUILD_DIR:-/tmp/hisparse_jax_build}
 python3 -c "import jax; assert jax.default_backend() == 'gpu', jax.devices(); print(jax.devices())"
 timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -n 0 -p no:cacheprovider -W ignore --tb=short -m "slow or not slow" \
-  tests/test_side_stream_gather.py tests/test_paged_state.py \
+  tests/test_gpu.py tests/test_side_stream_gather.py tests/test_paged_state.py \
   "tests/test_attention_layer.py::test_prefetched_shared_layer_and_deferred_backup_equal_no_offload" \
   2>&1 | tee "$OUT/gpu_tests.log" | tail -40

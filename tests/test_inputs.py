@@ -284,6 +284,18 @@ def test_flags_the_mode_reads_pass():
         validation.check_flags(validation.CHECKPOINT_DECODING, flag_values(**changes), present=set(changes))
 
 
+def test_serving_args_check_the_prefetch_environment(monkeypatch):
+    monkeypatch.setenv("HISPARSE_SHARED_PREFETCH", "bogus")
+    with pytest.raises(UsageError, match=r"shared prefetch mode must be one of .*got 'bogus'"):
+        ServingArgs()
+    monkeypatch.setenv("HISPARSE_SHARED_PREFETCH", "ffi_stream")
+    monkeypatch.setenv("HISPARSE_PREFETCH_START", "sideways")
+    with pytest.raises(UsageError, match=r"HISPARSE_PREFETCH_START must be one of"):
+        ServingArgs()
+    monkeypatch.setenv("HISPARSE_PREFETCH_START", "mlp")
+    assert ServingArgs().enable_hisparse is not None  # valid values pass
+
+
 def test_serving_args_use_the_same_value_rules():
     with pytest.raises(UsageError, match="--seed must be a non-negative integer"):
         ServingArgs(seed=-1)

@@ -53,7 +53,8 @@ from hisparse_jax.sharding import ParallelConfig, ParallelConfigError
 from hisparse_jax.serving.telemetry import format_summary, steps_to_json, write_json
 from models.decoder import DSAForCausalLM
 from models import families, inputs
-from models.decoding import ModelRunner, decode_checkpoint, resolved_shared_prefetch
+from hisparse_jax.attention_layer import shared_prefetch_mode
+from models.decoding import ModelRunner, decode_checkpoint, prefetch_start_point, resolved_shared_prefetch
 from models.loading import CheckpointError, load_hf_checkpoint
 
 DTYPES = {name: getattr(jnp, name) for name in DTYPE_NAMES}
@@ -111,6 +112,7 @@ class ServingArgs:
                 raise UsageError("--disaggregation_mode runs one device per instance here; drop --tp_size/--dp_size")
         if not self.enable_hisparse and self.device_buffer_sweep:
             raise UsageError("--device_buffer_sweep needs --enable_hisparse")
+        check_prefetch_environment(self.implementation)
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -407,10 +409,21 @@ def format_report(results: dict) -> str:
     return "\n".join(lines)
 
 
+def check_prefetch_environment(implementation: str | None) -> None:
+    """The shared-layer prefetch's environment variables ($HISPARSE_SHARED_PREFETCH,
+    $HISPARSE_PREFETCH_START), checked before anything is built: a bad value is a UsageError."""
+    try:
+        shared_prefetch_mode(None, implementation)
+        prefetch_start_point()
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
 def run_checkpoint_decode(job: CheckpointDecode):
     """Greedy decoding of a checkpoint over job.prompts -> job.output (models.decoding.decode_checkpoint);
     job comes from validation.check_checkpoint_decode, every input already checked. What only
     loading can find (missing or misshapen tensors, an unwritable output) is a UsageError too."""
+    check_prefetch_environment(None)
     try:
         return decode_checkpoint(
             job.checkpoint, job.prompts, job.output, max_new_tokens=job.max_new_tokens, dtype=DTYPES[job.dtype],
