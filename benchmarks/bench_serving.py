@@ -53,7 +53,7 @@ from configs.model import DSAModelConfig  # noqa: E402
 from hisparse_jax.config import HiSparseConfig, ResidencyConfig  # noqa: E402
 from hisparse_jax.serving.engine import Engine, EngineConfig  # noqa: E402
 from hisparse_jax.serving.workload import Request  # noqa: E402
-from hisparse_jax.serving.scheduler import DeviceFootprint  # noqa: E402
+from models.footprint import DeviceFootprint  # noqa: E402
 from hisparse_jax.serving.telemetry import write_json  # noqa: E402
 from hisparse_jax.serving.validation import KV_CACHE_DTYPE_NAMES  # noqa: E402
 from models.decoder import DSAForCausalLM  # noqa: E402

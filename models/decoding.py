@@ -46,6 +46,7 @@ from hisparse_jax.state import FullKVState, HiSparseState, state_shardings
 from models import families, inputs, rope
 from models.decoder import DSAForCausalLM, DecoderLayer
 from models.loading import load_hf_checkpoint  # noqa: F401  (models.families' DSA loader, patched in tests)
+from models.footprint import DeviceFootprint
 from models.indexer import decode_topk, dequantize_keys, index_key_dtype, is_fp8, quantize_keys
 from models.parallel import shard_params
 
@@ -385,6 +386,14 @@ class ModelRunner:
         self._embed = jax.jit(lambda params, tokens: nnx.merge(self.graphdef, params).embed_tokens(tokens))
         self._logits = jax.jit(lambda params, h: nnx.merge(self.graphdef, params).logits(h))
         self._cache_fns = {}  # per KV state type: jits whose outputs keep the host pool pinned
+
+    def device_footprint(self, hisparse: HiSparseConfig | None) -> DeviceFootprint:
+        """The device bytes one request holds under `hisparse` (None: no offload), in this runner's
+        cache format and prefetch mode: what the engine's admission counts. Raises ValueError
+        for a hisparse config this model cannot run (top_k other than its index_topk)."""
+        if hisparse is not None and hisparse.top_k != self.config.index_topk:
+            raise ValueError(f"hisparse_config top_k ({hisparse.top_k}) must equal the model's index_topk ({self.config.index_topk})")
+        return DeviceFootprint.of(self.config, self.dtype, hisparse, self.kv_cache_dtype, self.shared_prefetch)
 
     def _put(self, x, dtype, per_request: bool):
         """Host values in: split over the requests' mesh axis (per_request) or replicated."""

@@ -25,7 +25,7 @@ it defaults to that width and a different value is refused with one line saying 
 Serving (run_decode.py --model=deepseek_v4_tiny|minimax_m3_tiny; hisparse_jax.serving.engine):
 a family other than DSA names its random-weight model, its engine runner (models/family_runner.py:
 V4Runner, M3Runner) and its device footprint per request; the DSA family's are
-models.decoding.ModelRunner and hisparse_jax.serving.scheduler.DeviceFootprint, built by the CLI.
+models.decoding.ModelRunner and models.footprint.DeviceFootprint, built by the CLI.
 
 Nothing here imports JAX at module level (run_decode.py checks its inputs before JAX starts); the
 decode functions import their model code when called.

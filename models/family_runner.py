@@ -11,7 +11,7 @@ The contract is models.decoding.ModelRunner's: create_cache -> a pytree with a `
 hisparse_jax KVState the engine ends requests on), start_prefill -> a PrefillJob, decode_step
 over slots 0 .. b - 1 (-1 positions inactive) -> (cache, logits, telemetry with num_hits /
 num_misses), move_request; plus device_footprint, the device bytes admission counts per request
-(the DSA runner's are hisparse_jax.serving.scheduler.DeviceFootprint). A family supplies three
+(the DSA runner's are models.footprint.DeviceFootprint). A family supplies three
 pure functions for prefill (the prompt's forward, then storing its caches into a slot: the
 offloaded rows straight to the host pool), one for a decode step over all slots and one to move
 a slot; this class splits the model once, jits them with the cache donated (its host pool kept

@@ -18,7 +18,8 @@ from hisparse_jax.serving.engine import batch_buckets, Engine, EngineConfig
 from hisparse_jax.serving.errors import UsageError
 from hisparse_jax.host_pages import HostPageAllocator
 from hisparse_jax.serving.workload import Request, random_requests
-from hisparse_jax.serving.scheduler import DeviceFootprint, Scheduler
+from hisparse_jax.serving.scheduler import Scheduler
+from models.footprint import DeviceFootprint
 from hisparse_jax.serving.synthetic_selection import SyntheticSelector
 from hisparse_jax.serving.telemetry import RequestTrace, StepRecord, summarize
 from models.decoder import DSAForCausalLM

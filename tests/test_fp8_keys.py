@@ -21,7 +21,7 @@ from hisparse_jax.serving.workload import Request
 from hisparse_jax.sharding import ParallelConfig
 from hisparse_jax.serving import validation
 from hisparse_jax.serving.errors import UsageError
-from hisparse_jax.serving.scheduler import DeviceFootprint
+from models.footprint import DeviceFootprint
 from models.decoder import DSAForCausalLM
 from models.decoding import ModelRunner, create_cache, generate
 from models.indexer import KV_CACHE_DTYPES, dequantize_keys, index_scores, quantize_keys

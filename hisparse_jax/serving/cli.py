@@ -35,7 +35,7 @@ from hisparse_jax.serving.errors import UsageError
 from hisparse_jax import memory
 from hisparse_jax.serving.disaggregation import KVReceiver, KVSender, parse_address
 from hisparse_jax.serving.workload import random_requests
-from hisparse_jax.serving.scheduler import DeviceFootprint
+from models.footprint import DeviceFootprint
 from hisparse_jax.serving.validation import (  # noqa: F401  (parse_int_list, resolve_hisparse_config: this module's API)
     DISAGGREGATION_MODES,
     DTYPE_NAMES,

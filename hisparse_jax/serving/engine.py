@@ -59,7 +59,7 @@ from hisparse_jax.host_pages import HostPageAllocator
 from hisparse_jax.kv_cache_ops import end_request
 from hisparse_jax.paged_state import PagedHiSparseState
 from hisparse_jax.serving.workload import Request
-from hisparse_jax.serving.scheduler import Admission, DataParallelScheduler, DeviceFootprint, Scheduler
+from hisparse_jax.serving.scheduler import Admission, DataParallelScheduler, Scheduler
 from hisparse_jax.serving.residency import ResidencyManager
 from hisparse_jax.state import REQUEST_AXIS, jit_donating_state, state_shardings
 from hisparse_jax.serving.synthetic_fill import SyntheticFill
@@ -158,16 +158,12 @@ class RunResult:
 class Engine:
     def __init__(self, runner: ModelRunner, config: EngineConfig):
         self.runner, self.config = runner, config
-        model = runner.config
         hisparse = config.hisparse
         R, C = config.max_running_requests, config.context_length
-        if hasattr(runner, "device_footprint"):  # another family's runner (models/family_runner.py) sizes its requests
+        try:  # every runner sizes its own requests (cache format, prefetch mode, family layout)
             self.footprint = runner.device_footprint(hisparse)
-        else:
-            if hisparse is not None and hisparse.top_k != model.index_topk:
-                raise UsageError(f"hisparse_config top_k ({hisparse.top_k}) must equal the model's index_topk ({model.index_topk})")
-            # the runner's cache format and prefetch mode
-            self.footprint = DeviceFootprint.of(model, runner.dtype, hisparse, runner.kv_cache_dtype, runner.shared_prefetch)
+        except ValueError as error:  # a hisparse_config the model cannot run, e.g. its top_k
+            raise UsageError(str(error)) from None
         if hisparse is not None and hisparse.dynamic_residency is not None and runner.mesh is not None:
             raise UsageError("dynamic_residency does not run with data-parallel attention yet (one device pool per engine)")
         self.cache: DecodeCache = self._empty_cache()
