@@ -249,7 +249,7 @@ def copy_host_rows_to_buffer(
 # --------------------------------------------------------------------------------------------
 
 
-def _check_gather_inputs(pool, layer, host_slots, counts) -> None:
+def check_gather_inputs(pool, layer, host_slots, counts) -> None:
     """Static shape checks of the host -> fresh device array gather."""
     check_rank("pool", pool, 3, "[L, S, W]")
     check_rank("host_slots", host_slots, 2, "[R, K]")
@@ -260,7 +260,7 @@ def _check_gather_inputs(pool, layer, host_slots, counts) -> None:
 
 def gather_host_rows_reference(pool, layer, host_slots, counts):
     """The gather in jnp (the pool staged on the device first); shapes as gather_host_rows."""
-    _check_gather_inputs(pool, layer, host_slots, counts)
+    check_gather_inputs(pool, layer, host_slots, counts)
     K = host_slots.shape[1]
     take = jnp.arange(K)[None, :] < counts[:, None]  # bool[R, K]
     return _stage_on_device(pool)[layer][jnp.where(take, host_slots, 0)]  # row[R, K, W]
@@ -269,7 +269,7 @@ def gather_host_rows_reference(pool, layer, host_slots, counts):
 def gather_host_rows_pallas(pool, layer, host_slots, counts, *, rows=DEFAULT_ROWS_PER_PROGRAM, num_warps=4, programs=None):
     """The copy kernel reading the pinned pool in place, writing entry i of request r to [r, i]
     of a fresh (unaliased, never zeroed) output; shapes as gather_host_rows."""
-    _check_gather_inputs(pool, layer, host_slots, counts)
+    check_gather_inputs(pool, layer, host_slots, counts)
     R, K = host_slots.shape
     kernel = functools.partial(
         _copy_host_rows_kernel,
@@ -307,7 +307,7 @@ def gather_host_rows(pool, layer, host_slots, counts, *, implementation=None, ro
     output aliases nothing, so XLA may run it on another stream while other kernels use the
     device buffer. No TPU version yet: implementation="tpu" raises NotImplementedError.
     """
-    _check_gather_inputs(pool, layer, host_slots, counts)
+    check_gather_inputs(pool, layer, host_slots, counts)
     implementation = common.resolve_implementation(implementation)
     if implementation == "tpu":
         raise NotImplementedError("gather_host_rows has no TPU implementation; replay shared layers in line (prefetch 'off')")

@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.common import check_equal, check_layer_index, check_rank, on_gpu
+from pallas_kernels.common import on_gpu
+from pallas_kernels.row_copy import check_gather_inputs
 
 CSRC = Path(__file__).parent / "csrc"
 START_TARGET = "hisparse_side_gather_start"
@@ -114,16 +115,17 @@ def register() -> None:
     _register("cuda" if on_gpu() else "cpu")
 
 
-def _check(pool, layer, host_slots, counts, tag) -> None:
-    check_rank("pool", pool, 3, "[L, S, W]")
-    check_rank("host_slots", host_slots, 2, "[R, K]")
-    check_rank("counts", counts, 1, "[R]")
-    check_equal("counts batch", counts.shape[0], "host_slots batch (R)", host_slots.shape[0])
-    check_layer_index(layer, pool.shape[0])
-    if (pool.shape[2] * np.dtype(pool.dtype).itemsize) % 4:
-        raise ValueError(f"the side-stream gather copies whole 4-byte words: rows of {pool.shape[2]} x {np.dtype(pool.dtype)} are not")
+def _check_tag(tag) -> None:
     if not isinstance(tag, (int, np.integer)):
         raise TypeError(f"tag must be a static int (one per pending gather), got {type(tag).__name__}")
+
+
+def _check(pool, layer, host_slots, counts, tag) -> None:
+    """The gather's shape checks (row_copy's, shared with gather_host_rows), whole 4-byte words, the tag."""
+    check_gather_inputs(pool, layer, host_slots, counts)
+    if (pool.shape[2] * np.dtype(pool.dtype).itemsize) % 4:
+        raise ValueError(f"the side-stream gather copies whole 4-byte words: rows of {pool.shape[2]} x {np.dtype(pool.dtype)} are not")
+    _check_tag(tag)
 
 
 def side_gather_start(pool, layer, host_slots, counts, tie, *, tag: int, blocks: int | None = None, threads: int = DEFAULT_THREADS):
@@ -157,8 +159,7 @@ def side_gather_wait(rows, pool, layer, host_slots, counts, tie, *, tag: int):
     ahead of the call (to alias them), and the copy would read them before the side stream wrote
     them: seen on the H200 in tests/test_attention_layer.py's layer harness.
     """
-    if not isinstance(tag, (int, np.integer)):
-        raise TypeError(f"tag must be a static int (one per pending gather), got {type(tag).__name__}")
+    _check_tag(tag)
     register()
     call = jax.ffi.ffi_call(WAIT_TARGET, jax.ShapeDtypeStruct(tie.shape, tie.dtype), input_output_aliases={5: 0})
     layer = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
