@@ -14,7 +14,7 @@ cache is [1, b, C, 128] with every request at the full context (positions C - 1)
    and on tie-heavy scores (8 distinct values, +0 / -0) at the first size.
    (benchmarks/bench_kernels.py --sections=indexer is the device-timed version of this script.)
 2. Timing per layer (one scoring / one top-k of b requests): kernel scoring, XLA's scoring
-   (models/indexer.py's einsum path), the top-k kernels, lax.top_k. Device time by throughput:
+   (models/dsa/indexer.py's einsum path), the top-k kernels, lax.top_k. Device time by throughput:
    --launches calls of the op's jit queued back to back (asynchronous dispatch keeps the GPU
    busy once an op runs longer than its dispatch), inputs rotating among 3 sets, one block at
    the end; the figure is the median over --reps of that time / launches, with the spread
@@ -37,7 +37,6 @@ import os
 import statistics
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -46,6 +45,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+from benchmarks import helpers  # noqa: E402
+from benchmarks.helpers import log, write_json  # noqa: E402
 from pallas_kernels import indexer_scores, topk  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -68,23 +69,13 @@ RESULTS: dict = {"device": None, "sizes": [], "checks": [], "entries": [], "tuni
 START = time.perf_counter()
 
 
-def log(*args):
-    print(*args, flush=True)
-
-
 def save():
-    with open(FLAGS.out, "w") as f:
-        json.dump(RESULTS, f, indent=1)
+    write_json(FLAGS.out, RESULTS)
 
 
 def attempt(where: str, fn):
     """Runs fn(); on an exception records it (the run goes on) and returns None."""
-    try:
-        return fn()
-    except Exception as e:
-        RESULTS["errors"].append(f"{where}: {type(e).__name__}: {str(e)[:400]}\n{traceback.format_exc()[-1500:]}")
-        log(f"ERROR {where}: {type(e).__name__}: {str(e)[:400]}")
-        return None
+    return helpers.attempt(RESULTS["errors"], where, fn)
 
 
 # ----------------------------------------------------------------------------------------------

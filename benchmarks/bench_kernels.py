@@ -49,6 +49,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from benchmarks import device_timing, indexer_device_bench  # noqa: E402
+from benchmarks.helpers import log, write_json  # noqa: E402
 from benchmarks.swap_in_workload import make_workload  # noqa: E402
 from hisparse_jax import memory  # noqa: E402
 from hisparse_jax.row_layout import KVRowLayout  # noqa: E402
@@ -81,13 +82,8 @@ RESULTS: dict = {"device": None, "checks": {}, "swap_in": [], "attention": [], "
 START = [time.perf_counter()]  # the run's start, for --time_budget_s
 
 
-def log(*args):
-    print(*args, flush=True)
-
-
 def save():
-    with open(FLAGS.out, "w") as f:
-        json.dump(RESULTS, f, indent=1)
+    write_json(FLAGS.out, RESULTS)
 
 
 def pinned(x):

@@ -90,13 +90,16 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks.device_timing import device_events  # noqa: E402
+from benchmarks.helpers import log, stats, write_json  # noqa: E402
 from configs.model import DSAModelConfig  # noqa: E402
 from hisparse_jax import memory  # noqa: E402
 from hisparse_jax.config import HiSparseConfig  # noqa: E402
-from hisparse_jax.serving.engine import Engine, EngineConfig  # noqa: E402
-from hisparse_jax.serving.workload import Request  # noqa: E402
-from models.decoder import DSAForCausalLM  # noqa: E402
-from models.decoding import ModelRunner, cache_shardings, decode_step, generate  # noqa: E402
+from models.dsa.decoding import cache_shardings, decode_step
+from models.dsa.generate import generate
+from models.dsa.model import DSAForCausalLM  # noqa: E402
+from models.dsa.runner import ModelRunner  # noqa: E402
+from serving.engine import Engine, EngineConfig  # noqa: E402
+from serving.workload import Request  # noqa: E402
 
 T0 = time.perf_counter()
 RESULTS: dict = {"args": vars(ARGS), "xla_flags": os.environ["XLA_FLAGS"], "phases": {}, "errors": []}
@@ -121,7 +124,7 @@ def phase_setup(name: str) -> tuple:
     """(prefetch mode, backups after the last layer, compile options) of phase `name`, with the
     environment its variants read set: "<phase>_run<n>" repeats a phase; "ffi_stream_b<N>"
     runs the side gather on N blocks; "ffi_stream_<point>" starts the gathers at <point>
-    (models.decoding.prefetch_start_point: attention, staggered)."""
+    (models.dsa.decoding.prefetch_start_point: attention, staggered)."""
     base = name.split("_run")[0]
     os.environ.pop("HISPARSE_SIDE_GATHER_BLOCKS", None)
     os.environ.pop("HISPARSE_PREFETCH_START", None)
@@ -135,21 +138,8 @@ def phase_setup(name: str) -> tuple:
     return PHASE_MODES.get(base, ("off", True, None))
 
 
-def log(*args):
-    print(f"[{time.perf_counter() - T0:7.1f}s]", *args, flush=True)
-
-
 def save():
-    os.makedirs(ARGS.out, exist_ok=True)
-    with open(os.path.join(ARGS.out, "bench_overlap.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
-
-
-def stats(xs) -> dict:
-    xs = np.asarray(xs, float)
-    if xs.size == 0:
-        return {}
-    return dict(p50=float(np.median(xs)), mean=float(xs.mean()), min=float(xs.min()), max=float(xs.max()), n=int(xs.size))
+    write_json(os.path.join(ARGS.out, "bench_overlap.json"), RESULTS)
 
 
 # ---- model -------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ top_k 2048, hidden 7168, vocab 129,280) with --num_layers layers (the first dens
 --num_experts routed experts, RANDOM weights.
 Contexts: SYNTHETIC. Each request's 32k-token context is random KV rows written straight into
 the host pool (HiSparse) or the device KV (baseline) and random indexer keys into the device
-key cache (hisparse_jax.serving.synthetic_fill), as a PD decode instance receives finished KV, so
+key cache (serving.synthetic_fill), as a PD decode instance receives finished KV, so
 prefill stays out of the timing. Selection: the random-weight indexers' own top-k ("model"),
 then, labelled apart, the SYNTHETIC selector with --synthetic_topk_overlap.
 Budget: both modes get the same device KV budget (rows + indexer keys), by default that of an
@@ -49,15 +49,16 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks.helpers import bench_model_config, log  # noqa: E402
 from configs.model import DSAModelConfig  # noqa: E402
 from hisparse_jax.config import HiSparseConfig, ResidencyConfig  # noqa: E402
-from hisparse_jax.serving.engine import Engine, EngineConfig  # noqa: E402
-from hisparse_jax.serving.workload import Request  # noqa: E402
-from models.footprint import DeviceFootprint  # noqa: E402
-from hisparse_jax.serving.telemetry import write_json  # noqa: E402
-from hisparse_jax.serving.validation import KV_CACHE_DTYPE_NAMES  # noqa: E402
-from models.decoder import DSAForCausalLM  # noqa: E402
-from models.decoding import ModelRunner  # noqa: E402
+from models.dsa.footprint import DeviceFootprint  # noqa: E402
+from models.dsa.model import DSAForCausalLM  # noqa: E402
+from models.dsa.runner import ModelRunner  # noqa: E402
+from serving.engine import Engine, EngineConfig  # noqa: E402
+from serving.telemetry import write_json  # noqa: E402
+from serving.validation import KV_CACHE_DTYPE_NAMES  # noqa: E402
+from serving.workload import Request  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("output_dir", "outputs/bench_serving", "Where bench_serving.json and the plots go.")
@@ -104,22 +105,12 @@ RESULTS: dict = {"device": None, "setup": {}, "points": [], "phases": [], "error
 T0 = time.perf_counter()
 
 
-def log(*args):
-    print(f"[{time.perf_counter() - T0:7.1f}s]", *args, flush=True)
-
-
 def save():
     write_json(os.path.join(FLAGS.output_dir, "bench_serving.json"), RESULTS)
 
 
 def model_config() -> DSAModelConfig:
-    if FLAGS.smoke:
-        return DSAModelConfig.tiny()
-    L = FLAGS.num_layers
-    return DSAModelConfig.deepseek_v32().replace(
-        num_layers=L, mlp_layer_types=("dense",) + ("sparse",) * (L - 1), indexer_types=("full",) * L,
-        n_routed_experts=FLAGS.num_experts, n_group=8, topk_group=4, num_heads=FLAGS.num_heads,
-    )  # fmt: skip
+    return bench_model_config(smoke=FLAGS.smoke, num_layers=FLAGS.num_layers, num_experts=FLAGS.num_experts, num_heads=FLAGS.num_heads)
 
 
 @dataclasses.dataclass
@@ -289,7 +280,7 @@ def _series_mode(p) -> str:
 def draw() -> None:
     """One throughput plot and one misses plot per selection; synthetic ones apart."""
     try:
-        from hisparse_jax.serving import plots  # matplotlib: the JSON holds everything if it is missing
+        from serving import plots  # matplotlib: the JSON holds everything if it is missing
     except ImportError as error:
         log(f"no plots ({error}); the JSON holds every figure")
         return

@@ -15,7 +15,7 @@ Per size (DeepSeek-V3.2's indexer: 64 heads x 128, bf16 keys, top_k 2048; key ca
    kernel's end on the device (what the stream spends, launch gaps between the op's kernels
    included) and `busy` = the kernels' summed durations; medians with p10-p90. `score_us` /
    `topk_us` are the kernels' spans; the same-run baselines are XLA's: `reference_score_us`
-   (models/indexer.py's einsum path + mask) and `reference_topk_us` (lax.top_k). Each
+   (models/dsa/indexer.py's einsum path + mask) and `reference_topk_us` (lax.top_k). Each
    multi-kernel op also reports its kernels' own median durations (`*_kernels`).
 The top-k is timed on the kernel's own scores (L2-warm as in a decode step, where it follows
 the scoring); the scoring reads >= 109 MB of keys, over the 60 MB L2.

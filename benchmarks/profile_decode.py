@@ -73,36 +73,25 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks.helpers import bench_model_config, log, stats, write_json  # noqa: E402
 from configs.model import DSAModelConfig  # noqa: E402
 from hisparse_jax.config import HiSparseConfig, ResidencyConfig  # noqa: E402
-from hisparse_jax.serving.engine import Engine, EngineConfig  # noqa: E402
-from hisparse_jax.serving.workload import Request  # noqa: E402
-from models.decoder import DSAForCausalLM  # noqa: E402
-from models.decoding import ModelRunner  # noqa: E402
+from models.dsa.model import DSAForCausalLM  # noqa: E402
+from models.dsa.runner import ModelRunner  # noqa: E402
+from serving.engine import Engine, EngineConfig  # noqa: E402
+from serving.workload import Request  # noqa: E402
 
 T0 = time.perf_counter()
 RESULTS: dict = {"args": vars(ARGS), "phases": [], "errors": []}
 TOP = 15
 
 
-def log(*args):
-    print(f"[{time.perf_counter() - T0:7.1f}s]", *args, flush=True)
-
-
 def save():
-    os.makedirs(ARGS.out, exist_ok=True)
-    with open(os.path.join(ARGS.out, "profile_decode.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
+    write_json(os.path.join(ARGS.out, "profile_decode.json"), RESULTS)
 
 
 def model_config() -> DSAModelConfig:
-    if ARGS.smoke:
-        return DSAModelConfig.tiny()
-    L = ARGS.num_layers
-    return DSAModelConfig.deepseek_v32().replace(
-        num_layers=L, mlp_layer_types=("dense",) + ("sparse",) * (L - 1), indexer_types=("full",) * L,
-        n_routed_experts=ARGS.num_experts, n_group=8, topk_group=4,
-    )  # fmt: skip
+    return bench_model_config(smoke=ARGS.smoke, num_layers=ARGS.num_layers, num_experts=ARGS.num_experts)
 
 
 # ---- per-step timing ---------------------------------------------------------------------------
@@ -164,13 +153,6 @@ class StepProbe:
         del self.runner.decode_step
         if self._orig_select is not None:
             del self.engine.selector.select
-
-
-def stats(xs) -> dict:
-    xs = np.asarray(xs, float)
-    if xs.size == 0:
-        return {}
-    return dict(mean=float(xs.mean()), p50=float(np.median(xs)), min=float(xs.min()), max=float(xs.max()), n=int(xs.size))
 
 
 # ---- trace summary -----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ nothing):
      (which never needs it: the newest position resolves to a device slot); the next step's
      swap-in reads the pool XLA returns here, which orders the backup before any read of that
      row from the host. With backup=False the caller backs the rows up itself, after its last
-     layer (models/decoding.py: kv_cache_ops.backup_newest_rows), so that no copy of a later
+     layer (models/dsa/decoding.py: kv_cache_ops.backup_newest_rows), so that no copy of a later
      layer waits for an in-place pool write;
   4. attention over the resolved slots of state.device_rows.
 
@@ -137,7 +137,7 @@ def jit_attention_layer(state: KVState, *, latent_dim: int, sm_scale: float, imp
     """attention_layer as one jitted function for every layer (the layer index is traced, so
     it compiles once), the state donated: `step(state, layer, query, new_row, positions, topk)
     -> (state, out, info)` with the shapes of attention_layer. `state` only gives the output
-    shardings. A model that runs all its layers in one jitted step (models/decoding.py) calls
+    shardings. A model that runs all its layers in one jitted step (models/dsa/decoding.py) calls
     attention_layer directly instead."""
     fn = functools.partial(attention_layer, latent_dim=latent_dim, sm_scale=sm_scale, implementation=implementation)
     return jit_donating_state(fn, state, extra_outputs=2)

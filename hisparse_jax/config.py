@@ -55,7 +55,7 @@ RESIDENCY_MODES = ("adaptive", "forced_resident", "forced_host_backed")
 
 @dataclasses.dataclass(frozen=True)
 class ResidencyConfig:
-    """Which requests keep their whole KV on the device (hisparse_jax.serving.residency).
+    """Which requests keep their whole KV on the device (serving.residency).
 
     mode: "adaptive" - a request is promoted to resident (its context copied into device pages
       once; then no plan and no copy) while free device pages stay above promote_watermark after

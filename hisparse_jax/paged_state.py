@@ -16,7 +16,7 @@ holds position s, so demotion copies nothing (keep the first pages, say so in bu
 and promotion copies the context host -> device into the request's pages once. Every row is
 backed up to the host pool in both modes, so the host pool always holds the whole context.
 Which request is resident, and when pages move, is the engine's choice
-(hisparse_jax.serving.residency).
+(serving.residency).
 
 The attention and copy kernels read this pool as row[L, 1, N, W] (a kv / buffer with one
 request slot is a pool the batch shares; slots index its rows). Shape letters as in

@@ -24,7 +24,7 @@ Layouts (`kind`):
 Rows are one array dtype (`dtype`, `width` elements per row) so copy kernels move them as opaque
 `width`-wide arrays and never need to know which layout they carry. `pack` builds the stored row
 (quantising for fp8), `unpack` reads it back as float32; the attention kernel dequantises fp8
-rows itself (pallas_kernels/sparse_mla_attention.py).
+rows itself (pallas_kernels/sparse_mla_attention/).
 """
 
 from __future__ import annotations

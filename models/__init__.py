@@ -1,1 +1,2 @@
-"""Flax NNX DSA models (DeepSeek-V3.2, GLM-5.x): modules, checkpoint loading, decoding."""
+"""Model families as packages (models/dsa, models/deepseek_v4, models/minimax_m3), the blocks they
+share (models/common) and the registry on top (models/registry.py: config.json model_type -> family)."""

@@ -41,6 +41,16 @@ def resolve_implementation(implementation: str | None) -> str:
     return implementation
 
 
+def resolve_gpu_implementation(implementation: str | None, op: str) -> str:
+    """"pallas" or "reference" for an op with no TPU kernel (None: "pallas" on GPU, else
+    "reference"); "tpu" raises (the caller decides whether XLA's path is what it wants)."""
+    if implementation is None:
+        return "pallas" if on_gpu() else "reference"
+    if implementation not in ("reference", "pallas"):
+        raise ValueError(f"implementation must be 'reference', 'pallas' or None for {op}, got {implementation!r}")
+    return implementation
+
+
 def on_gpu() -> bool:
     """Whether JAX's default backend is a GPU."""
     return jax.default_backend() == "gpu"
@@ -177,3 +187,12 @@ def request_row(r, array):
     itself, or 0 when array has one request row, a pool the whole batch shares
     (hisparse_jax.paged_state). r: an index or array of them."""
     return r * 0 if array.shape[1] == 1 else r
+
+
+def check_gather_inputs(pool, layer, host_slots, counts) -> None:
+    """Static shape checks of the host -> fresh device array gather."""
+    check_rank("pool", pool, 3, "[L, S, W]")
+    check_rank("host_slots", host_slots, 2, "[R, K]")
+    check_rank("counts", counts, 1, "[R]")
+    check_equal("counts batch", counts.shape[0], "host_slots batch (R)", host_slots.shape[0])
+    check_layer_index(layer, pool.shape[0])

@@ -331,8 +331,8 @@ def test_glm_decode_step_prefetches_on_a_side_stream_without_copies(monkeypatch)
 
     from configs.model import DSAModelConfig
     from hisparse_jax import memory
-    from models.decoder import DSAForCausalLM
-    from models.decoding import ModelRunner
+    from models.dsa.model import DSAForCausalLM
+    from models.dsa.runner import ModelRunner
 
     monkeypatch.setenv("HISPARSE_SHARED_PREFETCH", "stream")
     config = DSAModelConfig.tiny_glm()

@@ -11,8 +11,8 @@ import pytest
 
 from configs.model import DSAModelConfig, UnsupportedModelError
 from hisparse_jax.row_layout import KVRowLayout
-from models import rope
-from models.loading import abstract_model
+from models.common import rope
+from models.dsa.loading import abstract_model
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "deepseek_v32_tiny")
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 (models/deepseek_v4.py) against transformers 5.24.0's outputs on
+"""DeepSeek-V4 (models/deepseek_v4/model.py) against transformers 5.24.0's outputs on
 tests/fixtures/deepseek_v4_tiny: per-layer compressed KV entries and indexer keys, the indexer's
 selections, prompt logits, greedy tokens (no-cache loop and cached decoding); config parsing;
 the loader's errors.
@@ -21,11 +21,11 @@ from safetensors.numpy import load_file, save_file
 
 from configs.deepseek_v4 import CSA, HCA, SLIDING, DeepseekV4Config
 from configs.model import UnsupportedModelError
-from models.deepseek_v4 import DeepseekV4ForCausalLM, forward, forward_with_aux, greedy_no_cache
-from models.deepseek_v4_decoding import create_cache, decode_step, generate, generate_hisparse, prefill
+from models.deepseek_v4.model import DeepseekV4ForCausalLM, forward, forward_with_aux, greedy_no_cache
+from models.deepseek_v4.decoding import create_cache, decode_step, generate, generate_hisparse, prefill
 from hisparse_jax.config import HiSparseConfig
-from models.deepseek_v4_loading import load_deepseek_v4
-from models.loading import CheckpointError
+from models.deepseek_v4.loading import load_deepseek_v4
+from models.common.checkpoint import CheckpointError
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "deepseek_v4_tiny")
 RTOL = 1e-4  # logits, relative to the largest |logit| (the README's suggestion)

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from hisparse_jax.serving import cli as serving
-from models.decoding import ModelRunner
+from serving import cli as serving
+from models.dsa.runner import ModelRunner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOAD = ["--num_prompts=5", "--random_input_len=60", "--random_output_len=8", "--max_running_requests=4",

@@ -14,16 +14,18 @@ from flax import nnx
 
 from configs.model import DSAModelConfig
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.serving.engine import batch_buckets, Engine, EngineConfig
-from hisparse_jax.serving.errors import UsageError
+from serving.engine import batch_buckets, Engine, EngineConfig
+from serving.errors import UsageError
 from hisparse_jax.host_pages import HostPageAllocator
-from hisparse_jax.serving.workload import Request, random_requests
-from hisparse_jax.serving.scheduler import Scheduler
-from models.footprint import DeviceFootprint
-from hisparse_jax.serving.synthetic_selection import SyntheticSelector
-from hisparse_jax.serving.telemetry import RequestTrace, StepRecord, summarize
-from models.decoder import DSAForCausalLM
-from models.decoding import ModelRunner, PrefillJob, generate
+from serving.workload import Request, random_requests
+from serving.scheduler import Scheduler
+from models.dsa.footprint import DeviceFootprint
+from serving.synthetic_selection import SyntheticSelector
+from serving.telemetry import RequestTrace, StepRecord, summarize
+from models.dsa.model import DSAForCausalLM
+from models.dsa.runner import ModelRunner
+from models.dsa.runner import LayerwisePrefill
+from models.dsa.generate import generate
 
 TINY = DSAModelConfig.tiny()  # top_k 16, 3 layers
 HISPARSE = HiSparseConfig(top_k=16, device_buffer_size=20, host_to_device_ratio=8)
@@ -240,7 +242,7 @@ def test_a_failed_run_gives_everything_back(runner, workload, alone, hisparse, f
             engine.run(workload)  # 8 requests through 3 slots: some running, some waiting
     elif failure == "prefill":
         # Mid-prompt: the third prefill layer fails after the cache was donated to it.
-        monkeypatch.setattr(PrefillJob, "advance", fail_on_third(PrefillJob.advance, before_real=False))
+        monkeypatch.setattr(LayerwisePrefill, "advance", fail_on_third(LayerwisePrefill.advance, before_real=False))
         with pytest.raises(RuntimeError, match="injected"):
             engine.run(workload)
     else:

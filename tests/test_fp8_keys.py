@@ -16,16 +16,18 @@ from flax import nnx
 
 from configs.model import DSAModelConfig
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.serving.engine import Engine, EngineConfig
-from hisparse_jax.serving.workload import Request
+from serving.engine import Engine, EngineConfig
+from serving.workload import Request
 from hisparse_jax.sharding import ParallelConfig
-from hisparse_jax.serving import validation
-from hisparse_jax.serving.errors import UsageError
-from models.footprint import DeviceFootprint
-from models.decoder import DSAForCausalLM
-from models.decoding import ModelRunner, create_cache, generate
-from models.indexer import KV_CACHE_DTYPES, dequantize_keys, index_scores, quantize_keys
-from models.loading import load_hf_checkpoint
+from serving import validation
+from serving.errors import UsageError
+from models.dsa.footprint import DeviceFootprint
+from models.dsa.model import DSAForCausalLM
+from models.dsa.runner import ModelRunner
+from models.dsa.decoding import create_cache
+from models.dsa.generate import generate
+from models.dsa.indexer import KV_CACHE_DTYPES, dequantize_keys, index_scores, quantize_keys
+from models.dsa.loading import load_hf_checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLM = os.path.join(ROOT, "tests", "fixtures", "glm_moe_dsa_tiny")
@@ -243,7 +245,7 @@ def test_kv_cache_dtype_flag_is_checked_in_both_modes():
         validation.check_flags(mode, {"kv_cache_dtype": FP8, "checkpoint": None, "model": "tiny"}, {"kv_cache_dtype"})
         with pytest.raises(UsageError, match=r"--kv_cache_dtype='int4': use one of \('auto', 'bfloat16', 'fp8_e4m3'\)"):
             validation.check_flags(mode, {"kv_cache_dtype": "int4", "checkpoint": None, "model": "tiny"}, {"kv_cache_dtype"})
-    from hisparse_jax.serving.cli import ServingArgs
+    from serving.cli import ServingArgs
 
     assert ServingArgs(kv_cache_dtype=FP8).kv_cache_dtype == FP8
     with pytest.raises(UsageError, match="--kv_cache_dtype"):

@@ -1,5 +1,5 @@
-"""The DSA indexer's kernels (pallas_kernels/indexer_scores.py, topk.py) in interpret mode
-against their jnp references, and models/indexer.py's decode_topk against the model's own path
+"""The DSA indexer's kernels (pallas_kernels/indexer_scores/, topk.py) in interpret mode
+against their jnp references, and models/dsa/indexer.py's decode_topk against the model's own path
 (index_scores per request + select_topk).
 
 Scores: within a tolerance with an absolute floor, -inf exactly where a key is not visible,
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.indexer import decode_topk, index_scores, quantize_keys, select_topk
+from models.dsa.indexer import decode_topk, index_scores, quantize_keys, select_topk
 from pallas_kernels import common, indexer_scores, topk
 
 J, R, C, G, I = 2, 5, 300, 6, 32
@@ -135,10 +135,10 @@ def test_digit_is_monotone_in_the_score():
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.standard_normal(4000) * 10.0 ** rng.integers(-9, 9, 4000), [0.0, -0.0, np.inf, 7e4, -7e4, 1e-30, -1e-30, np.nan]])
     x = np.sort(x.astype(np.float32))  # NaN last, as the keys rank it
-    digits = np.asarray(topk._digit(jnp.asarray(x)))
-    assert np.all(np.diff(digits) >= 0) and digits.min() >= 0 and digits.max() < topk.DIGITS
-    assert topk._digit(jnp.float32(-0.0)) == topk._digit(jnp.float32(0.0))
-    assert len(np.unique(np.asarray(topk._digit(jnp.asarray(rng.standard_normal(4096), jnp.float32))))) > 40
+    digits = np.asarray(topk.pallas_triton._digit(jnp.asarray(x)))
+    assert np.all(np.diff(digits) >= 0) and digits.min() >= 0 and digits.max() < topk.pallas_triton.DIGITS
+    assert topk.pallas_triton._digit(jnp.float32(-0.0)) == topk.pallas_triton._digit(jnp.float32(0.0))
+    assert len(np.unique(np.asarray(topk.pallas_triton._digit(jnp.asarray(rng.standard_normal(4096), jnp.float32))))) > 40
 
 
 def test_reference_ties_minus_zero_with_zero():

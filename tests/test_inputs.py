@@ -1,5 +1,5 @@
-"""Input validation without running a model: models.inputs (what generate and decode_checkpoint
-refuse, as ValueError) and hisparse_jax.serving.validation (run_decode.py's flags, as UsageError
+"""Input validation without running a model: models.common.inputs (what generate and decode_checkpoint
+refuse, as ValueError) and serving.validation (run_decode.py's flags, as UsageError
 naming the flag). End to end through run_decode.py: tests/test_run_decode.py."""
 
 import json
@@ -16,14 +16,16 @@ from flax import nnx
 
 from configs.model import DSAModelConfig
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.serving import validation
-from hisparse_jax.serving.cli import ServingArgs
-from hisparse_jax.serving.errors import UsageError
+from serving import validation
+from serving.cli import ServingArgs
+from serving.errors import UsageError
 from hisparse_jax.sharding import ParallelConfig
-from models import inputs
-from models.decoder import DSAForCausalLM
-from models.decoding import decode_checkpoint, generate
-from models.inputs import InputError
+from models import registry
+from models.common import inputs
+from models.dsa.model import DSAForCausalLM
+from models.registry import decode_checkpoint
+from models.dsa.generate import generate
+from models.common.inputs import InputError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKPOINT = os.path.join(ROOT, "tests", "fixtures", "deepseek_v32_tiny")
@@ -80,10 +82,10 @@ def test_prompt_and_output_must_fit_max_position_embeddings():
 
 
 def test_hisparse_top_k_must_be_the_models():
-    inputs.check_hisparse(None, TINY)
-    inputs.check_hisparse(HiSparseConfig(top_k=16, device_buffer_size=32), TINY)
+    registry.check_hisparse(None, TINY)
+    registry.check_hisparse(HiSparseConfig(top_k=16, device_buffer_size=32), TINY)
     with pytest.raises(InputError, match=r"top_k \(32\) must equal the model's index_topk \(16\)"):
-        inputs.check_hisparse(HiSparseConfig(top_k=32, device_buffer_size=64), TINY)
+        registry.check_hisparse(HiSparseConfig(top_k=32, device_buffer_size=64), TINY)
 
 
 @pytest.mark.parametrize(
@@ -149,7 +151,7 @@ def fixture_config() -> dict:
 
 
 def test_load_config(tmp_path):
-    config = inputs.load_config(CHECKPOINT)
+    config = registry.load_config(CHECKPOINT)
     assert (config.model_type, config.vocab_size, config.num_layers, config.index_topk) == ("deepseek_v32", 512, 3, 16)
     cases = [
         (str(tmp_path / "nowhere"), "checkpoint directory .*nowhere does not exist"),
@@ -163,7 +165,7 @@ def test_load_config(tmp_path):
     ]
     for path, message in cases:
         with pytest.raises(InputError, match=message):
-            inputs.load_config(path)
+            registry.load_config(path)
 
 
 def test_read_prompts(tmp_path):
@@ -207,12 +209,12 @@ def test_output_path(tmp_path):
 
 
 def test_decode_checkpoint_refuses_before_loading_weights(tmp_path, monkeypatch):
-    import models.decoding
+    import models.dsa.loading
 
     def no_loading(*args, **kwargs):
         raise AssertionError("weights loaded despite bad input")
 
-    monkeypatch.setattr(models.decoding, "load_hf_checkpoint", no_loading)
+    monkeypatch.setattr(models.dsa.loading, "load_hf_checkpoint", no_loading)
     np.savez(tmp_path / "p.npz", input_ids=np.array([[3, 512]], np.int32))
     np.savez(tmp_path / "ok.npz", input_ids=GOOD)
     for prompts, output, kwargs, message in [
@@ -226,11 +228,11 @@ def test_decode_checkpoint_refuses_before_loading_weights(tmp_path, monkeypatch)
     assert sorted(os.listdir(tmp_path)) == ["ok.npz", "p.npz"]  # nothing written
 
 
-# ---- run_decode.py's flags (hisparse_jax.serving.validation) --------------------------------------
+# ---- run_decode.py's flags (serving.validation) --------------------------------------
 
 
 def run_decode_flags() -> set[str]:
-    with open(os.path.join(ROOT, "run_decode.py")) as f:
+    with open(os.path.join(ROOT, "serving", "run_decode.py")) as f:
         return set(re.findall(r'flags\.DEFINE_\w+\(\s*"(\w+)"', f.read()))
 
 
@@ -335,6 +337,6 @@ def test_checkpoint_decode_inputs(tmp_path):
 def test_validation_refuses_before_jax_starts():
     """run_decode.py checks its flags and checkpoint decoding's files with validation alone: that
     must not import JAX (seconds, and --tp_size's XLA_FLAGS must be set before it starts)."""
-    code = "import sys, hisparse_jax.serving.validation; print(sorted(m for m in ('jax', 'flax') if m in sys.modules))"
+    code = "import sys, serving.validation; print(sorted(m for m in ('jax', 'flax') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

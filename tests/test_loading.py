@@ -13,7 +13,9 @@ import safetensors.numpy
 from flax import nnx
 
 from configs.model import UnsupportedModelError
-from models.loading import Checkpoint, CheckpointError, load_hf_checkpoint, restore_params, save_params
+from models.common.checkpoint import Checkpoint, CheckpointError
+from models.dsa.loading import load_hf_checkpoint
+from models.registry import restore_params, save_params
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "deepseek_v32_tiny")
 _DTYPE_NAMES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3"}

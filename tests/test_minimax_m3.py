@@ -18,11 +18,11 @@ import pytest
 
 from configs.minimax_m3 import MiniMaxM3Config
 from configs.model import UnsupportedModelError
-from models.loading import Checkpoint, CheckpointError
+from models.common.checkpoint import Checkpoint, CheckpointError
 from hisparse_jax.config import HiSparseConfig, HiSparseConfigError
-from models.minimax_m3 import create_cache, decode_step, forward, forward_with_selections, generate, greedy_generate, prefill, sorted_selection
-from models.minimax_m3_hisparse import create_hisparse_cache, hisparse_decode_step, hisparse_plan, hisparse_prefill
-from models.minimax_m3_loading import load_hf_checkpoint, write_safetensors
+from models.minimax_m3.model import create_cache, decode_step, forward, forward_with_selections, generate, greedy_generate, prefill, sorted_selection
+from models.minimax_m3.hisparse import create_hisparse_cache, hisparse_decode_step, hisparse_plan, hisparse_prefill
+from models.minimax_m3.loading import load_hf_checkpoint, write_safetensors
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "minimax_m3_tiny")
 RTOL = 1e-4  # relative to the largest |logit|, as the fixture's README suggests

@@ -19,9 +19,11 @@ from flax import nnx
 from configs.model import DSAModelConfig
 from hisparse_jax import memory
 from hisparse_jax.config import HiSparseConfig
-from models.decoder import DSAForCausalLM, forward
-from models.decoding import ModelRunner, create_cache, generate
-from models.loading import load_hf_checkpoint
+from models.dsa.model import DSAForCausalLM, forward
+from models.dsa.runner import ModelRunner
+from models.dsa.decoding import create_cache
+from models.dsa.generate import generate
+from models.dsa.loading import load_hf_checkpoint
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 DEEPSEEK = os.path.join(FIXTURES, "deepseek_v32_tiny")

@@ -9,12 +9,12 @@ from flax import nnx
 
 from configs.model import DSAModelConfig
 from hisparse_jax.config import HiSparseConfig
-from hisparse_jax.serving.engine import Engine, EngineConfig
-from hisparse_jax.serving.workload import Request
-from hisparse_jax.serving.scheduler import DataParallelScheduler
+from serving.engine import Engine, EngineConfig
+from serving.workload import Request
+from serving.scheduler import DataParallelScheduler
 from hisparse_jax.sharding import ParallelConfig
-from models.decoder import DSAForCausalLM
-from models.decoding import ModelRunner
+from models.dsa.model import DSAForCausalLM
+from models.dsa.runner import ModelRunner
 
 TINY = DSAModelConfig.tiny()
 HISPARSE = HiSparseConfig(top_k=16, device_buffer_size=20, host_to_device_ratio=8)

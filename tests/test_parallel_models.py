@@ -14,8 +14,9 @@ import pytest
 
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.sharding import ParallelConfig
-from models.decoding import ModelRunner, generate
-from models.loading import load_hf_checkpoint
+from models.dsa.runner import ModelRunner
+from models.dsa.generate import generate
+from models.dsa.loading import load_hf_checkpoint
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 RTOL = 1e-4

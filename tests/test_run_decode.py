@@ -164,10 +164,10 @@ def test_unknown_flag_is_one_line_and_status_2(tmp_path):
 def test_without_matplotlib_the_run_says_plots_were_skipped(monkeypatch, tmp_path):
     import sys as _sys
 
-    from hisparse_jax.serving import cli
+    from serving import cli
 
     monkeypatch.setitem(_sys.modules, "matplotlib", None)  # import matplotlib now fails
-    monkeypatch.delitem(_sys.modules, "hisparse_jax.serving.plots", raising=False)
+    monkeypatch.delitem(_sys.modules, "serving.plots", raising=False)
     results = {"points": [{"mode": "hisparse", "max_concurrency": 1, "steps": {"misses": [1]}}], "buffer_sweep": []}
     assert cli._plot(results, str(tmp_path), "", "model selection") == {}
     assert results["notes"] == [cli.PLOTS_NEED] and os.listdir(tmp_path) == []

@@ -5,7 +5,7 @@
 
 reproduces the fixture's greedy tokens exactly and its logits within 1e-4 of the largest |logit|,
 HiSparse on (device buffers small enough that decoding misses) and off. config.json's model_type
-picks the family (models.families); bad input ends in one `error:` line and exit status 2 before
+picks the family (models.registry); bad input ends in one `error:` line and exit status 2 before
 JAX starts. (The DSA fixtures: tests/test_models.py.)"""
 
 import os
@@ -103,7 +103,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
 
 
 def _serve(runner, hisparse, requests, *, slots=2, context=64):
-    from hisparse_jax.serving.engine import Engine, EngineConfig
+    from serving.engine import Engine, EngineConfig
 
     engine = Engine(runner, EngineConfig(max_running_requests=slots, context_length=context, hisparse=hisparse,
                                          page_size=16, batch_buckets=False, fill_value=float("nan")))  # fmt: skip
@@ -128,10 +128,10 @@ def _family_case(family):
     from configs.deepseek_v4 import CSA, DeepseekV4Config
     from configs.minimax_m3 import MiniMaxM3Config
     from hisparse_jax.config import HiSparseConfig
-    from models.deepseek_v4 import DeepseekV4ForCausalLM
-    from models.deepseek_v4_runner import V4Runner
-    from models.minimax_m3 import MiniMaxM3ForCausalLM
-    from models.minimax_m3_runner import M3Runner
+    from models.deepseek_v4.model import DeepseekV4ForCausalLM
+    from models.deepseek_v4.runner import V4Runner
+    from models.minimax_m3.model import MiniMaxM3ForCausalLM
+    from models.minimax_m3.runner import M3Runner
 
     if family == "deepseek_v4":  # one CSA layer: entries offloaded, indexer keys and window on the device
         config = DeepseekV4Config.tiny().replace(
@@ -153,7 +153,7 @@ def test_engine_serves_family_hisparse_equals_baseline(family):
     """Three requests through two slots (the third waits for a retired slot, then reuses it): the
     HiSparse run copies rows from the host pool and gives every request the baseline's tokens;
     unwritten rows are NaN, so a read of a row nothing stored would show."""
-    from hisparse_jax.serving.workload import random_requests
+    from serving.workload import random_requests
 
     runner, hisparse = _family_case(family)
     requests = random_requests(num_prompts=3, input_len=56, output_len=6, range_ratio=0.7, vocab_size=512, seed=0)

@@ -19,8 +19,10 @@ from flax import nnx
 from configs.model import DSAModelConfig
 from hisparse_jax import memory
 from hisparse_jax.config import HiSparseConfig
-from models.decoder import DSAForCausalLM
-from models.decoding import ModelRunner, generate, prefetch_start_point
+from models.dsa.model import DSAForCausalLM
+from models.dsa.runner import ModelRunner
+from models.dsa.generate import generate
+from models.dsa.decoding import prefetch_start_point
 from pallas_kernels.row_copy import gather_host_rows_reference
 from pallas_kernels.side_stream_gather import PendingGather, side_gather_start, side_gather_wait
 
@@ -98,7 +100,7 @@ def test_decode_step_threads_compute_through_start_and_wait():
 )
 def test_every_start_point_decodes_as_no_offload(monkeypatch, start_at):
     """A GLM pattern with consecutive shared layers (F S S F S), NaN in every unwritten row:
-    wherever the gathers start (models.decoding.prefetch_start_point), HiSparse with the
+    wherever the gathers start (models.dsa.decoding.prefetch_start_point), HiSparse with the
     side-stream prefetch decodes the logits of no offload bit for bit."""
     monkeypatch.setenv("HISPARSE_PREFETCH_START", start_at)
     config = DSAModelConfig.tiny_glm().replace(indexer_types=("full", "shared", "shared", "full", "shared"))

@@ -101,7 +101,7 @@ def test_fp8_rows_copy_and_write_bit_exact():
 def test_dmas_beyond_the_semaphores_in_flight(num_semaphores):
     """More rows than semaphores: each semaphore is reused once its previous copy is waited on;
     copy and write both bit-exact to the reference (bf16 rows, skipped rows in the write)."""
-    from pallas_kernels.tpu_row_copy import copy_host_rows_to_buffer_tpu, write_rows_to_host_tpu
+    from pallas_kernels.row_copy.pallas_tpu import copy_host_rows_to_buffer_tpu, write_rows_to_host_tpu
 
     rng = np.random.default_rng(num_semaphores)
     L, R, B, S, W, K = 2, 2, 12, 50, 24, 11
@@ -323,8 +323,9 @@ def test_fixture_model_greedy_decoding_reproduces_its_tokens(monkeypatch):
 
     from hisparse_jax import memory
     from hisparse_jax.config import HiSparseConfig
-    from models.decoding import ModelRunner, generate
-    from models.loading import load_hf_checkpoint
+    from models.dsa.runner import ModelRunner
+    from models.dsa.generate import generate
+    from models.dsa.loading import load_hf_checkpoint
 
     monkeypatch.setattr(memory, "PINNED_HOST", memory.DEVICE)
     path = test_models.DEEPSEEK

@@ -1,0 +1,68 @@
+"""What the benchmark scripts share: a timestamped log, summary statistics, results JSON written
+after every point (so a run cut short keeps what it measured), an error-recording attempt, and
+the serving benchmarks' model (DeepSeek-V3.2's attention and MoE shapes at a few layers).
+
+    from benchmarks.helpers import log, stats, write_json, attempt, bench_model_config
+
+Device time of kernels (the profiler's trace) is benchmarks/device_timing.py's job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+
+import numpy as np
+
+T0 = time.perf_counter()  # the script's start (its first import of this module)
+
+
+def log(*args) -> None:
+    """print, prefixed with the seconds since the script started, flushed (logs stream back)."""
+    print(f"[{time.perf_counter() - T0:7.1f}s]", *args, flush=True)
+
+
+def stats(xs) -> dict:
+    """p50, mean, min, max and count of a list of numbers ({} for none)."""
+    xs = np.asarray(xs, float)
+    if xs.size == 0:
+        return {}
+    return dict(p50=float(np.median(xs)), mean=float(xs.mean()), min=float(xs.min()), max=float(xs.max()), n=int(xs.size))
+
+
+def write_json(path: str | os.PathLike, data) -> None:
+    """Writes `data` as indented JSON (values JSON cannot hold as their str), whole or not at all."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    os.replace(partial, path)
+
+
+def attempt(errors: list, where: str, fn):
+    """Runs fn(); an exception is recorded in `errors` (the run goes on) and gives None."""
+    try:
+        return fn()
+    except Exception as e:
+        errors.append(f"{where}: {type(e).__name__}: {str(e)[:400]}\n{traceback.format_exc()[-1500:]}")
+        log(f"ERROR {where}: {type(e).__name__}: {str(e)[:400]}")
+        return None
+
+
+def bench_model_config(*, smoke: bool, num_layers: int, num_experts: int, num_heads: int | None = None):
+    """The serving benchmarks' model: DeepSeek-V3.2's attention (128 heads unless num_heads, 576-wide
+    latent rows, indexer 64 x 128, top_k 2048), hidden 7168, vocab 129,280, `num_layers` layers (one
+    dense, then MoE with `num_experts` routed experts, top-8); the tiny config with smoke."""
+    from configs.model import DSAModelConfig
+
+    if smoke:
+        return DSAModelConfig.tiny()
+    L = num_layers
+    config = DSAModelConfig.deepseek_v32().replace(
+        num_layers=L, mlp_layer_types=("dense",) + ("sparse",) * (L - 1), indexer_types=("full",) * L,
+        n_routed_experts=num_experts, n_group=8, topk_group=4,
+    )  # fmt: skip
+    return config if num_heads is None else config.replace(num_heads=num_heads)

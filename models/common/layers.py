@@ -1,0 +1,91 @@
+"""Small weight-holding building blocks shared by the DSA modules.
+
+Letters: T tokens (any leading shape), I input features, O output features, F MLP intermediate.
+
+Weights keep Hugging Face's layout ([out, in] for linear layers) so a checkpoint tensor becomes a
+parameter without a transpose. Every matmul runs at Precision.HIGHEST: in float32 on a GPU the
+default would use TF32 and flip the indexer's and router's discrete choices. Results come out in
+the operands' dtype (bf16 in a bf16 model, as torch's bf16 matmuls do); where the reference works
+in float32 (router, indexer scores, softmax) the operands are cast to float32 first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+HIGHEST = jax.lax.Precision.HIGHEST
+einsum = functools.partial(jnp.einsum, precision=HIGHEST)
+
+
+def fan_in_normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, fan_in: int) -> nnx.Param:
+    """N(0, 1/fan_in): keeps activations O(1) in randomly initialised test models."""
+    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) / jnp.sqrt(fan_in).astype(dtype))
+
+
+class Linear(nnx.Module):
+    """y = x W^T, no bias (no released DSA model has one)."""
+
+    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = fan_in_normal(rngs, (out_features, in_features), dtype, in_features)  # [O, I]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # x: [..., I] -> [..., O] in the weight's dtype
+        weight = self.weight[...]
+        return einsum("...i,oi->...o", x.astype(weight.dtype), weight)
+
+
+class RMSNorm(nnx.Module):
+    """transformers' DeepseekV3RMSNorm: normalise in f32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))  # [I]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # x: [..., I] -> [..., I] in x's dtype
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * h.astype(x.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """torch.nn.LayerNorm with weight and bias (the indexer's k_norm), computed in f32."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))  # [I]
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype))  # [I]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # x: [..., I] -> [..., I] in x's dtype
+        h = x.astype(jnp.float32)
+        mean = jnp.mean(h, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
+        h = (h - mean) * jax.lax.rsqrt(var + self.eps)
+        return (h * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: the dense layers' MLP and the MoE's shared experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(hidden_size, intermediate_size, dtype=dtype, rngs=rngs)  # [F, I]
+        self.up_proj = Linear(hidden_size, intermediate_size, dtype=dtype, rngs=rngs)  # [F, I]
+        self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, rngs=rngs)  # [I, F]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # x: [..., I] -> [..., I]
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(jax.random.normal(rngs.params(), (vocab_size, hidden_size), jnp.float32).astype(dtype))  # [V, D]
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        # tokens i32[...] -> [..., D]
+        return jnp.take(self.weight[...], tokens, axis=0)

@@ -1,0 +1,100 @@
+"""DeepSeek MoE: sigmoid router with grouped top-k, routed experts, shared experts.
+
+Letters: T tokens, D hidden, F moe_intermediate_size, E routed experts, G expert groups,
+X experts per token (num_experts_per_tok), M = T * X token-expert assignments.
+
+Routing follows transformers' DeepseekV32TopkRouter exactly: scores = sigmoid(x W^T) in f32;
+`e_score_correction_bias` is added for *choosing* only (groups by the sum of their two best
+biased scores, the best `topk_group` groups, then the best X experts in them); the weights are
+the unbiased scores of the chosen experts, normalised to sum 1 when `norm_topk_prob`, times
+`routed_scaling_factor`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from configs.model import DSAModelConfig
+from models.common.layers import HIGHEST, MLP, einsum, fan_in_normal
+
+
+class Router(nnx.Module):
+    def __init__(self, config: DSAModelConfig, *, rngs: nnx.Rngs):
+        E = config.n_routed_experts
+        self.num_groups = config.n_group
+        self.topk_group = config.topk_group
+        self.top_k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routed_scaling_factor = config.routed_scaling_factor
+        # Both stay float32 whatever the model dtype, as in the reference.
+        self.weight = fan_in_normal(rngs, (E, config.hidden_size), jnp.float32, config.hidden_size)  # f32[E, D]
+        self.e_score_correction_bias = nnx.Param(jnp.zeros((E,), jnp.float32))  # f32[E]
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [T, D] -> (weights f32[T, X], expert ids i32[T, X])."""
+        T, E, G = x.shape[0], self.weight.shape[0], self.num_groups
+        scores = jax.nn.sigmoid(einsum("td,ed->te", x.astype(jnp.float32), self.weight[...]))  # f32[T, E]
+        choice = scores + self.e_score_correction_bias[...]
+        group_scores = jax.lax.top_k(choice.reshape(T, G, E // G), 2)[0].sum(-1)  # f32[T, G]
+        _, groups = jax.lax.top_k(group_scores, self.topk_group)  # i32[T, topk_group]
+        group_mask = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], groups].set(True)
+        expert_mask = jnp.repeat(group_mask, E // G, axis=-1)  # bool[T, E]
+        _, experts = jax.lax.top_k(jnp.where(expert_mask, choice, -jnp.inf), self.top_k)  # i32[T, X]
+        weights = jnp.take_along_axis(scores, experts, axis=-1)  # f32[T, X]
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        return weights * self.routed_scaling_factor, experts.astype(jnp.int32)
+
+
+class Experts(nnx.Module):
+    """Routed expert weights stacked per expert, stored [in, out] for `ragged_dot`.
+
+    Checkpoints hold one [out, in] tensor per expert; the loader stacks and transposes them.
+    """
+
+    def __init__(self, config: DSAModelConfig, *, dtype, rngs: nnx.Rngs):
+        E, D, F = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_proj = fan_in_normal(rngs, (E, D, F), dtype, D)  # [E, D, F]
+        self.up_proj = fan_in_normal(rngs, (E, D, F), dtype, D)  # [E, D, F]
+        self.down_proj = fan_in_normal(rngs, (E, F, D), dtype, F)  # [E, F, D]
+
+    def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
+        """x [T, D], weights f32[T, X], experts i32[T, X] -> [T, D]: sum of weighted expert outputs."""
+        T, X = experts.shape
+        E = self.gate_proj.shape[0]
+        # Group the M assignments by expert so each expert runs one dense matmul over its tokens.
+        order = jnp.argsort(experts.reshape(-1), stable=True)  # i32[M]
+        token = order // X  # i32[M]: token of each sorted assignment
+        group_sizes = jnp.bincount(experts.reshape(-1), length=E).astype(jnp.int32)  # i32[E]
+        dtype = self.gate_proj.dtype
+        xs = x[token].astype(dtype)  # [M, D]
+
+        def grouped(lhs, rhs):
+            return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=HIGHEST)
+
+        h = jax.nn.silu(grouped(xs, self.gate_proj[...])) * grouped(xs, self.up_proj[...])  # [M, F]
+        out = grouped(h, self.down_proj[...]).astype(jnp.float32)  # f32[M, D]
+        out = out * weights.reshape(-1)[order][:, None]
+        # Back to (token, choice) order, then a fixed-order sum over the X choices. A scatter-add
+        # into [T, D] would sum in whatever order the GPU's atomics land: on the H200 two
+        # identical runs then differed in their logits from the first decode step.
+        unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)  # f32[M, D]
+        return unsorted.reshape(T, X, -1).sum(axis=1).astype(x.dtype)
+
+
+class MoE(nnx.Module):
+    def __init__(self, config: DSAModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.gate = Router(config, rngs=rngs)
+        self.experts = Experts(config, dtype=dtype, rngs=rngs)
+        shared = config.moe_intermediate_size * config.n_shared_experts
+        self.shared_experts = MLP(config.hidden_size, shared, dtype=dtype, rngs=rngs) if shared else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [T, D] -> [T, D]."""
+        weights, experts = self.gate(x)
+        y = self.experts(x, weights, experts)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y

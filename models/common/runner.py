@@ -1,0 +1,231 @@
+"""The serving engine's runner for a model family other than DSA (DeepSeek-V4, MiniMax-M3): what
+serving.engine.Engine calls, with the family's own prefill and decode functions.
+
+    runner = V4Runner(model)                      # models/deepseek_v4/runner.py (or M3Runner)
+    engine = Engine(runner, EngineConfig(max_running_requests=4, context_length=256, hisparse=hs))
+
+Letters: R request slots, b <= R slots of one decode step, T prompt tokens, Tp padded to a
+compiled length, V vocab, L state layers of the family's KV state.
+
+The contract is models.dsa.runner.ModelRunner's: create_cache -> a pytree with a `kv` field (a
+hisparse_jax KVState the engine ends requests on), start_prefill -> a PrefillJob, decode_step
+over slots 0 .. b - 1 (-1 positions inactive) -> (cache, logits, telemetry with num_hits /
+num_misses), move_request; plus device_footprint, the device bytes admission counts per request
+(the DSA runner's are models.dsa.footprint.DeviceFootprint). A family supplies three
+pure functions for prefill (the prompt's forward, then storing its caches into a slot: the
+offloaded rows straight to the host pool), one for a decode step over all slots and one to move
+a slot; this class splits the model once, jits them with the cache donated (its host pool kept
+in pinned_host by output shardings) and pads prompts to the DSA runner's compiled lengths. The
+prompt's forward does not depend on the cache's KV state type, so HiSparse and the baseline
+share its compiled function (one compile fewer per prompt length: ~7 s of a V4 CPU test).
+
+Differences from the DSA runner, on purpose:
+  - a prompt is prefilled in one call (the families' prefill is one forward over the prompt),
+    so a PrefillJob here has a single step;
+  - every decode step runs all R slots (a smaller batch b is padded with inactive slots): the
+    families' steps are written over the whole cache; batch buckets then save nothing;
+  - one device, kv_cache_dtype "auto" (the caches in the model dtype), no SYNTHETIC top-k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+DEFAULT_PREFILL_CHUNK = 128
+
+
+def padded_prompt_length(prompt_len: int, chunk: int) -> tuple[int, int]:
+    """(Tp, chunk): prompts pad to a power of two up to `chunk`, then to a multiple of it, so
+    prompt lengths share few compiled shapes."""
+    if prompt_len <= chunk:
+        padded = 1 << (prompt_len - 1).bit_length()
+        return padded, padded
+    return -(-prompt_len // chunk) * chunk, chunk
+
+
+class PrefillJob:
+    """A prompt's prefill in progress, as the engine drives it: advance(cache) -> cache until
+    `done`, then `logits` (f32[V], the last prompt token's) picks the first new token. `slot`
+    may change between advances (the engine's compaction moves the request). The engine tells a
+    prefill in progress from a ready first token by this type. Subclasses: the DSA runner's
+    layer-by-layer prefill (models.dsa.runner.LayerwisePrefill) and WholePromptPrefill below."""
+
+    slot: int  # the request slot being filled
+    prompt_len: int  # T
+    padded_len: int  # Tp: tokens each step of the prefill computes
+    layers_done: int
+    logits: jax.Array | None
+    cache: object  # the cache with the slot claimed, until the first advance (then None)
+
+    @property
+    def num_layers(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def done(self) -> bool:
+        return self.layers_done == self.num_layers
+
+    def advance(self, cache):
+        raise NotImplementedError
+
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestFootprint:
+    """Device bytes one request holds, as admission counts them (the interface of the DSA
+    runner's DeviceFootprint: row_bytes, request_bytes, capacity)."""
+
+    row_bytes: int  # one offloaded KV row (telemetry: bytes one miss copies host -> device)
+    fixed_bytes: int  # held whatever the length: windows, raw buffers, HiSparse buffers (L x (B + 1) rows)
+    # (bytes, every): `bytes` per started `every` tokens of context, e.g. one CSA indexer key per 4 tokens
+    per_tokens: tuple[tuple[int, int], ...]
+
+    def request_bytes(self, num_tokens: int) -> int:
+        return self.fixed_bytes + sum(size * math.ceil(num_tokens / every) for size, every in self.per_tokens)
+
+    def capacity(self, budget_bytes: int, num_tokens: int) -> int:
+        """Requests of `num_tokens` tokens that fit in `budget_bytes`."""
+        return budget_bytes // self.request_bytes(num_tokens)
+
+
+class StepCounts(NamedTuple):
+    """A decode step's swap-in counts, what the engine's telemetry sums."""
+
+    num_hits: jax.Array  # i32[L, R]: selected rows found on the device, per state layer and slot
+    num_misses: jax.Array  # i32[L, R]: rows copied host -> device (0 without HiSparse)
+
+
+class WholePromptPrefill(PrefillJob):
+    """One prompt's prefill, done in one advance()."""
+
+    def __init__(self, runner: "FamilyRunner", cache, slot: int, tokens, host_pages):  # noqa: D107
+        self.runner, self.slot = runner, slot  # slot may change before advance (the engine's compaction)
+        self.tokens = np.asarray(tokens, np.int32)  # i32[T]
+        self.prompt_len = self.tokens.shape[0]
+        self.padded_len = padded_prompt_length(self.prompt_len, runner.prefill_chunk)[0]  # Tp
+        self.host_pages = host_pages  # i32[P] (HiSparse) or None
+        self.cache = cache  # the slot is claimed in advance(), so the cache is unchanged until then
+        self.layers_done = 0
+        self.logits = None  # f32[V] once done: the last prompt token's
+
+    @property
+    def num_layers(self) -> int:
+        return 1
+
+    def advance(self, cache):
+        """Prefills the whole prompt into `slot` -> the cache (donated: pass the latest one)."""
+        if self.done:
+            raise RuntimeError("this prefill is done")
+        cache, self.logits = self.runner.prefill(cache, self.slot, self.tokens, host_pages=self.host_pages)
+        self.layers_done, self.cache = 1, None
+        return cache
+
+
+class FamilyRunner:
+    """Splits a family's model once and jits its serving functions (see the module docstring).
+
+    Subclasses set `_forward_fn(model, tokens i32[Tp], prompt_len i32[], max_context: static) ->
+    (prompt caches: a pytree, logits f32[V] of the last prompt token)`, `_store_fn(cache, slot,
+    prompt caches, prompt_len, host_pages i32[P] or None) -> cache` (begins the request),
+    `_decode_fn(model, cache, tokens i32[R], positions i32[R]) -> (cache, logits f32[R, V],
+    StepCounts)`, `_move_fn(cache, source, target) -> cache`, and implement _create_cache,
+    max_context and device_footprint."""
+
+    mesh = None  # one device: the engine's data-parallel paths stay off
+    kv_cache_dtype = "auto"  # caches in the model dtype
+    _forward_fn: Callable
+    _store_fn: Callable
+    _decode_fn: Callable
+    _move_fn: Callable
+
+    def __init__(self, model, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, implementation: str | None = None):
+        self.model = model  # kept for cache shapes (create_cache); the jitted functions take params
+        self.config = model.config
+        self.dtype = model.dtype
+        self.prefill_chunk = prefill_chunk
+        self.implementation = implementation
+        self.graphdef, self.params = nnx.split(model)
+        self._jits = {}  # per KV state type: the cache's output shardings differ (pinned host pool or not)
+        merge = lambda params: nnx.merge(self.graphdef, params)  # noqa: E731
+        self._forward = jax.jit(
+            lambda params, tokens, n, max_context: self._forward_fn(merge(params), tokens, n, max_context), static_argnums=3
+        )  # one compile per padded prompt length, whatever the cache
+
+    # ---- what a family provides ----------------------------------------------------------------
+
+    def _create_cache(self, *, num_requests: int, max_context: int, hisparse, num_host_pages, page_size: int, fill_value: float):
+        raise NotImplementedError
+
+    def max_context(self, cache) -> int:
+        """C: the tokens one slot of `cache` holds (static)."""
+        raise NotImplementedError
+
+    def device_footprint(self, hisparse):
+        """RequestFootprint of one request under `hisparse` (None: the no-offload baseline)."""
+        raise NotImplementedError
+
+    # ---- the engine's interface ----------------------------------------------------------------
+
+    def create_cache(self, *, num_requests: int, max_context: int, hisparse=None, num_host_pages: int | None = None,
+                     page_size: int = 16, fill_value: float = 0.0):  # fmt: skip
+        """An empty cache of `num_requests` free slots of up to `max_context` tokens each."""
+        cache = self._create_cache(
+            num_requests=num_requests, max_context=max_context, hisparse=hisparse, num_host_pages=num_host_pages,
+            page_size=page_size, fill_value=fill_value,
+        )  # fmt: skip
+        # Commit every array where it is (jnp.zeros are uncommitted, jit outputs committed): jit keys
+        # its cache on that, so a fresh cache would compile prefill and decode a second time (25 s
+        # per V4 prefill compile on the 2-core CI machine, seen as a 17 s mean TTFT).
+        return jax.tree.map(lambda x: x if x.committed else jax.device_put(x, x.sharding), cache)
+
+    def _jitted(self, cache) -> dict:
+        kind = type(cache.kv)
+        if kind not in self._jits:
+            shardings = jax.tree.map(lambda leaf: leaf.sharding, cache)  # host pool stays pinned_host
+            merge = lambda params: nnx.merge(self.graphdef, params)  # noqa: E731
+            self._jits[kind] = dict(
+                store=jax.jit(self._store_fn, donate_argnums=0, out_shardings=shardings),
+                decode=jax.jit(
+                    lambda params, c, tokens, positions: self._decode_fn(merge(params), c, tokens, positions),
+                    donate_argnums=1, out_shardings=(shardings, None, None),
+                ),
+                move=jax.jit(self._move_fn, donate_argnums=0, out_shardings=shardings),
+            )  # fmt: skip
+        return self._jits[kind]
+
+    def prefill(self, cache, request: int, tokens, *, host_pages=None):
+        """Admits free slot `request` with prompt tokens i32[T] -> (cache, logits f32[V] of the
+        last prompt token). host_pages: i32[P] (HiSparse only), the pages its positions use."""
+        tokens = np.asarray(tokens, np.int32)
+        T = tokens.shape[0]
+        Tp = padded_prompt_length(T, self.prefill_chunk)[0]  # few compiled lengths (the DSA runner's)
+        pages = None if host_pages is None else jnp.asarray(host_pages, jnp.int32)
+        prompt, logits = self._forward(self.params, jnp.asarray(np.pad(tokens, (0, Tp - T))), jnp.int32(T), self.max_context(cache))
+        return self._jitted(cache)["store"](cache, jnp.int32(request), prompt, jnp.int32(T), pages), logits
+
+    def start_prefill(self, cache, request: int, tokens, *, host_pages=None) -> WholePromptPrefill:
+        return WholePromptPrefill(self, cache, request, tokens, host_pages)
+
+    def decode_step(self, cache, tokens, positions, topk=None):
+        """One token for each of slots 0 .. b - 1 (tokens, positions i32[b]; -1 inactive) ->
+        (cache, logits f32[b, V], StepCounts i32[L, R]). Runs all R slots (the rest inactive)."""
+        if topk is not None:
+            raise ValueError("a top-k override (SYNTHETIC selection) is not supported for this model family")
+        R = cache.kv.num_requests
+        b = len(tokens)
+        full_tokens = np.zeros(R, np.int32)  # i32[R]
+        full_positions = np.full(R, -1, np.int32)  # i32[R]: slots past b inactive
+        full_tokens[:b], full_positions[:b] = tokens, positions
+        cache, logits, counts = self._jitted(cache)["decode"](self.params, cache, jnp.asarray(full_tokens), jnp.asarray(full_positions))
+        return cache, logits[:b], counts
+
+    def move_request(self, cache, source: int, target: int):
+        """Moves the request in slot `source` to the free slot `target` (the engine's compaction)."""
+        return self._jitted(cache)["move"](cache, jnp.int32(source), jnp.int32(target))

@@ -1,0 +1,304 @@
+"""The serving runner of a DSA model: the decode step jitted with its cache donated, prompt
+prefill layer by layer (direct-to-host), PD's prefill_kv / admit_prefilled, and the device
+footprint admission counts. It implements models.common.runner's contract, what the serving
+engine drives.
+
+Prefill runs layer by layer over the whole prompt, query-chunked, and writes each layer's KV rows
+with store_prefill_rows straight into the host pool (direct-to-host), so the decode state never
+stages the full context on the device; only the layer being computed holds its rows.
+
+Letters: as models.dsa.decoding's.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hisparse_jax import memory
+from hisparse_jax import sharding as dp_sharding
+from hisparse_jax.attention_layer import shared_prefetch_mode
+from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.kv_cache_ops import begin_request, store_prefill_rows
+from hisparse_jax.state import state_shardings
+from models.common.parallel import shard_params
+from models.common.runner import DEFAULT_PREFILL_CHUNK, PrefillJob, padded_prompt_length
+from models.dsa.decoding import (
+    DecodeCache,
+    StepTelemetry,
+    cache_shardings,
+    create_cache,
+    decode_step,
+    move_request,
+    write_index_keys,
+)
+from models.dsa.footprint import DeviceFootprint
+from models.dsa.indexer import index_key_dtype
+from models.dsa.model import DecoderLayer, DSAForCausalLM
+
+
+class PrefilledKV(NamedTuple):
+    """One prompt's KV as a prefill instance hands it to a decode instance (PD disaggregation)."""
+
+    rows: tuple  # row[Tp, W] per layer: KV rows of the (padded) prompt positions
+    index_keys: tuple  # [Tp, I] per full-indexer layer, in the prefill runner's key dtype
+    logits: jax.Array  # f32[V]: logits of the last prompt token (they pick the first new token)
+    index_key_scales: tuple = ()  # f32[Tp] per full-indexer layer with fp8 keys; () otherwise
+
+
+def _prefill_layer(graphdef, params, h, anchor_topk, *, chunk, key_dtype):
+    layer: DecoderLayer = nnx.merge(graphdef, params)
+    return layer.prefill(h, anchor_topk, chunk=chunk, key_dtype=key_dtype)
+
+
+def _store_index_keys(cache_keys, j, request, keys, key_scales, prompt_len):
+    # cache_keys: (index_keys [J, R, C, I], index_key_scales f32[J, R, C or 0]); keys [Tp, I]
+    # (fp8 with key_scales f32[Tp], or key_scales None): positions >= prompt_len are padding, dropped
+    index_keys, index_key_scales = cache_keys
+    positions = jnp.arange(keys.shape[0])
+    target = jnp.where(positions < prompt_len, positions, index_keys.shape[2])
+    return write_index_keys(index_keys, index_key_scales, j, request, target, keys, key_scales)
+
+
+def resolved_shared_prefetch(parallel, implementation: str | None, shared_prefetch: str | None = None) -> str:
+    """The prefetch mode a ModelRunner built with these arguments decodes with: "off" over a
+    mesh (the layers run per group in shard_map), else attention_layer.shared_prefetch_mode's."""
+    if parallel is not None and not parallel.is_single_device:
+        return "off"
+    return shared_prefetch_mode(shared_prefetch, implementation)
+
+
+class ModelRunner:
+    """A model split once into (graph, params) with its jitted prefill and decode functions.
+
+    The decode step is jitted once with the cache donated; prefill compiles one function per
+    distinct layer structure (dense/MoE x full/shared indexer) and padded prompt length.
+    """
+
+    def __init__(
+        self,
+        model: DSAForCausalLM,
+        *,
+        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        implementation: str | None = None,
+        parallel: dp_sharding.ParallelConfig | None = None,
+        kv_cache_dtype: str = "auto",
+        shared_prefetch: str | None = None,
+    ):
+        """parallel: tensor / data-parallel-attention layout (hisparse_jax.sharding); None or a
+        single-device config runs on the default device. kv_cache_dtype: the caches' format
+        (create_cache; "fp8_e4m3": fp8 rows and indexer keys), also what prefill_kv hands over.
+        shared_prefetch: decode_step's, resolved now (attention_layer.shared_prefetch_mode; "off"
+        over a mesh), so the engine can count the rows it stages (DeviceFootprint)."""
+        self.config = model.config
+        self.dtype = model.dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self._key_dtype = index_key_dtype(kv_cache_dtype, model.dtype)  # refuses an unknown name now
+        self.prefill_chunk = prefill_chunk
+        self.implementation = implementation
+        self.parallel = parallel
+        self.mesh = None if parallel is None or parallel.is_single_device else parallel.make_mesh()
+        self.shared_prefetch = resolved_shared_prefetch(parallel, implementation, shared_prefetch)
+        self.graphdef, self.params = nnx.split(model)
+        if self.mesh is not None:
+            self.params = shard_params(self.params, self.mesh, parallel)
+        # Per-layer views of the same parameter arrays, for the layer-by-layer prefill.
+        self._layers = [(nnx.split(layer)[0], self.params["layers"][l]) for l, layer in enumerate(model.layers)]
+        self._prefill_layer = jax.jit(_prefill_layer, static_argnames=("graphdef", "chunk", "key_dtype"))
+        self._embed = jax.jit(lambda params, tokens: nnx.merge(self.graphdef, params).embed_tokens(tokens))
+        self._logits = jax.jit(lambda params, h: nnx.merge(self.graphdef, params).logits(h))
+        self._cache_fns = {}  # per KV state type: jits whose outputs keep the host pool pinned
+
+    def device_footprint(self, hisparse: HiSparseConfig | None) -> DeviceFootprint:
+        """The device bytes one request holds under `hisparse` (None: no offload), in this runner's
+        cache format and prefetch mode: what the engine's admission counts. Raises ValueError
+        for a hisparse config this model cannot run (top_k other than its index_topk)."""
+        if hisparse is not None and hisparse.top_k != self.config.index_topk:
+            raise ValueError(f"hisparse_config top_k ({hisparse.top_k}) must equal the model's index_topk ({self.config.index_topk})")
+        return DeviceFootprint.of(self.config, self.dtype, hisparse, self.kv_cache_dtype, self.shared_prefetch)
+
+    def _put(self, x, dtype, per_request: bool):
+        """Host values in: split over the requests' mesh axis (per_request) or replicated."""
+        x = jnp.asarray(x, dtype)
+        if self.mesh is None:
+            return x
+        spec = P(dp_sharding.REQUEST_AXIS) if per_request else P()
+        return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+    def _jitted(self, cache: DecodeCache) -> dict:
+        kind = type(cache.kv)
+        if kind not in self._cache_fns:
+            kv_out = state_shardings(cache.kv)
+            # Logits and telemetry: the default device alone, or wherever the mesh puts them.
+            rest = memory.sharding(memory.DEVICE) if self.mesh is None else None
+            store = functools.partial(store_prefill_rows, implementation=self.implementation)
+            if self.mesh is not None:  # only the owning data-parallel group writes, into its own pool
+                store = functools.partial(dp_sharding.store_prefill_rows, self.mesh, implementation=self.implementation)
+            self._cache_fns[kind] = dict(
+                begin=jax.jit(begin_request, donate_argnums=0, out_shardings=kv_out),
+                store=jax.jit(store, donate_argnums=0, out_shardings=kv_out),
+                store_keys=jax.jit(
+                    _store_index_keys, donate_argnums=0, out_shardings=(cache.index_keys.sharding, cache.index_key_scales.sharding)
+                ),
+                move=jax.jit(move_request, donate_argnums=0, out_shardings=cache_shardings(cache)),
+                decode=jax.jit(
+                    functools.partial(
+                        decode_step, self.graphdef, implementation=self.implementation, mesh=self.mesh, shared_prefetch=self.shared_prefetch
+                    ),
+                    donate_argnums=1,
+                    out_shardings=(cache_shardings(cache), rest, rest),
+                ),
+            )
+        return self._cache_fns[kind]
+
+    def create_cache(self, *, num_requests: int, max_context: int, hisparse: HiSparseConfig | None = None, **kwargs) -> DecodeCache:
+        """create_cache for this model, in the runner's kv_cache_dtype unless kwargs name another."""
+        kwargs.setdefault("kv_cache_dtype", self.kv_cache_dtype)
+        return create_cache(
+            self.config, num_requests=num_requests, max_context=max_context, dtype=self.dtype, hisparse=hisparse,
+            mesh=self.mesh, **kwargs,
+        )  # fmt: skip
+
+    def _prefill_layers(self, tokens: np.ndarray, key_dtype):
+        """Runs the prompt i32[T] through every layer, yielding (layer, its PrefillOutput) in order:
+        one layer's rows exist at a time. The last output's `hidden` feeds _last_logits. Indexer
+        keys come out in key_dtype (fp8: with scales) and the prompt's top-k is scored on them."""
+        T = tokens.shape[0]
+        padded, chunk = padded_prompt_length(T, self.prefill_chunk)
+        h = self._embed(self.params, self._put(np.pad(tokens, (0, padded - T)), jnp.int32, per_request=False))
+        anchor = None
+        for l, (graphdef, params) in enumerate(self._layers):
+            out = self._prefill_layer(graphdef, params, h, anchor, chunk=chunk, key_dtype=np.dtype(key_dtype))
+            yield l, out
+            if out.index_keys is not None:
+                anchor = out.topk
+            h = out.hidden
+
+    def _last_logits(self, last_out, prompt_len: int) -> jax.Array:
+        """f32[V]: logits of the last prompt token, from the last layer's output."""
+        return self._logits(self.params, last_out.hidden[prompt_len - 1])
+
+    def prefill(self, cache: DecodeCache, request: int, tokens, *, host_pages=None) -> tuple[DecodeCache, jax.Array]:
+        """Admits request slot `request` with prompt tokens i32[T] -> (cache, logits f32[V] of the
+        last prompt token). host_pages: i32[P] (HiSparse only), the pages its positions use.
+
+        Each layer's rows go to the host pool (direct-to-host) as soon as that layer is computed."""
+        job = self.start_prefill(cache, request, tokens, host_pages=host_pages)
+        cache = job.cache
+        while not job.done:
+            cache = job.advance(cache)
+        return cache, job.logits
+
+    def start_prefill(self, cache: DecodeCache, request: int, tokens, *, host_pages=None) -> "LayerwisePrefill":
+        """A prefill of prompt tokens i32[T] into slot `request` that runs one layer per
+        LayerwisePrefill.advance, so a serving engine can interleave it with decode steps. The slot is
+        claimed now (job.cache holds it); it must stay out of decode steps until job.done."""
+        return LayerwisePrefill(self, cache, request, tokens, host_pages)
+
+    def prefill_kv(self, tokens) -> "PrefilledKV":
+        """A prefill instance's work (PD disaggregation): the prompt's KV rows and indexer keys of
+        every layer and its last logits, with no decode cache. Rows are [Tp, W] per layer, Tp the
+        padded prompt length (rows past the prompt are padding); keys in the runner's
+        kv_cache_dtype (fp8: with their scales)."""
+        tokens = np.asarray(tokens, np.int32)
+        rows, keys, scales = [], [], []
+        for _, out in self._prefill_layers(tokens, self._key_dtype):  # keeps rows and keys, not each layer's activations
+            rows.append(out.rows)
+            if out.index_keys is not None:
+                keys.append(out.index_keys)
+                if out.index_key_scales is not None:
+                    scales.append(out.index_key_scales)
+        return PrefilledKV(tuple(rows), tuple(keys), self._last_logits(out, tokens.shape[0]), tuple(scales))
+
+    def admit_prefilled(self, cache: DecodeCache, request: int, prompt_len: int, kv: "PrefilledKV", *, host_pages=None) -> DecodeCache:
+        """A decode instance admits a request whose KV a prefill instance computed: its rows go
+        straight to the host pool (HiSparse) or the device KV, its indexer keys to the device
+        (converted when the prefill instance's key format is not this cache's)."""
+        state, cache_keys, fns = self._begin(cache, request, prompt_len, host_pages)
+        T = jnp.int32(prompt_len)
+        for l, rows in enumerate(kv.rows):
+            state = fns["store"](state, jnp.int32(l), jnp.int32(request), jnp.int32(0), rows, T)
+        for j, keys in enumerate(kv.index_keys):
+            scales = kv.index_key_scales[j] if kv.index_key_scales else None
+            cache_keys = fns["store_keys"](cache_keys, jnp.int32(j), jnp.int32(request), keys, scales, T)
+        return DecodeCache(state, *cache_keys)
+
+    def _begin(self, cache: DecodeCache, request: int, prompt_len: int, host_pages):
+        """begin_request for a prompt of `prompt_len` tokens -> (kv state, (index_keys,
+        index_key_scales), jitted fns)."""
+        C = cache.index_keys.shape[2]
+        if not 0 < prompt_len < C:
+            raise ValueError(f"prompt of {prompt_len} tokens needs 0 < T < max_context ({C}): decoding appends to it")
+        fns = self._jitted(cache)
+        pages = None if host_pages is None else self._put(host_pages, jnp.int32, per_request=False)
+        kv = fns["begin"](cache.kv, jnp.int32(request), jnp.int32(prompt_len), pages)
+        return kv, (cache.index_keys, cache.index_key_scales), fns
+
+    def move_request(self, cache: DecodeCache, source: int, target: int) -> DecodeCache:
+        """move_request jitted with the cache donated (one compile for every pair of slots)."""
+        return self._jitted(cache)["move"](cache, jnp.int32(source), jnp.int32(target))
+
+    def decode_step(self, cache: DecodeCache, tokens, positions, topk=None) -> tuple[DecodeCache, jax.Array, StepTelemetry]:
+        """decode_step jitted with the cache donated: tokens i32[b], positions i32[b] (-1 inactive)
+        for slots 0 .. b - 1, b <= R; topk None or i32[J, b, K] (overrides the indexers'
+        selection, see decode_step). Each distinct b compiles once."""
+        if topk is not None and self.mesh is not None:
+            topk = jax.device_put(topk, NamedSharding(self.mesh, P(None, dp_sharding.REQUEST_AXIS)))
+        return self._jitted(cache)["decode"](
+            self.params,
+            cache,
+            self._put(tokens, jnp.int32, per_request=True),
+            self._put(positions, jnp.int32, per_request=True),
+            topk,
+        )
+
+
+class LayerwisePrefill(PrefillJob):
+    """One prompt's layer-by-layer prefill, resumable between decode steps.
+
+    Each advance() computes one layer over the whole prompt (query-chunked) and stores its KV
+    rows straight into the host pool (HiSparse) or the device KV, and its indexer keys; the
+    hidden state between layers stays on the device. `slot` may change between advances (the
+    engine's compaction moves the request; its stored rows and keys move with it). After the
+    last layer, `logits` (f32[V], the last prompt token's) picks the first new token.
+    """
+
+    def __init__(self, runner: ModelRunner, cache: DecodeCache, slot: int, tokens, host_pages):
+        self.runner, self.slot = runner, slot
+        self.tokens = np.asarray(tokens, np.int32)  # i32[T]
+        self.prompt_len = T = self.tokens.shape[0]
+        kv, keys, self._fns = runner._begin(cache, slot, T, host_pages)
+        self.cache = DecodeCache(kv, *keys)  # the cache with the slot claimed; thread it on
+        self.padded_len = padded_prompt_length(T, runner.prefill_chunk)[0]  # tokens each layer computes
+        self.layers_done = 0
+        self.logits = None
+        self._layers = runner._prefill_layers(self.tokens, cache.index_keys.dtype)
+
+    @property
+    def num_layers(self) -> int:
+        return self.runner.config.num_layers
+
+    def advance(self, cache: DecodeCache) -> DecodeCache:
+        """Computes and stores the next layer -> the cache (donated: pass the latest one)."""
+        if self.done:
+            raise RuntimeError("this prefill is done")
+        l, out = next(self._layers)
+        fns, slot, T = self._fns, jnp.int32(self.slot), jnp.int32(self.prompt_len)
+        kv = fns["store"](cache.kv, jnp.int32(l), slot, jnp.int32(0), out.rows, T)
+        keys = (cache.index_keys, cache.index_key_scales)
+        if out.index_keys is not None:
+            j = self.runner.config.indexer_cache_index(l)
+            keys = fns["store_keys"](keys, jnp.int32(j), slot, out.index_keys, out.index_key_scales, T)
+        self.layers_done += 1
+        if self.done:
+            self.logits = self.runner._last_logits(out, self.prompt_len)
+            self._layers.close()
+        self.cache = None  # only the latest cache is valid: the caller threads it
+        return DecodeCache(kv, *keys)

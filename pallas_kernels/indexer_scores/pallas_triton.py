@@ -1,0 +1,120 @@
+"""The indexer's masked scores as a Pallas GPU kernel (Triton lowering): tensor-core q . k over key
+blocks read in place from the cache, ReLU, head weights, masking past each request's position."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common
+from pallas_kernels.indexer_scores.base import MASKED, check_inputs, is_fp8, operand_dtype
+
+
+def _scores_kernel(
+    layer_ref,  # i32[1]
+    positions_ref,  # i32[b]
+    q_ref,  # [b, G, I]
+    weights_ref,  # f32[b, G]
+    keys_ref,  # [J, R, C, I]
+    scales_ref,  # f32[J, R, C] (fp8 keys; unused otherwise)
+    out_ref,  # f32[b, C]
+    *,
+    block_g: int,
+    block_c: int,
+    blocks_per_program: int,
+    fp8: bool,
+    interpret: bool,
+):
+    i, program = pl.program_id(0), pl.program_id(1)
+    G, I = q_ref.shape[1], q_ref.shape[2]
+    C = keys_ref.shape[2]
+    layer, position = layer_ref[0], positions_ref[i]
+    operand = operand_dtype(q_ref.dtype, keys_ref.dtype)
+    precision = jax.lax.Precision.HIGHEST if operand == jnp.float32 else None
+    safe_heads, head_ok = common.head_block(0, block_g, G)  # the head block is padded to >= 16 (Triton dots)
+    q = common.gather_rows(q_ref, (i,), safe_heads, head_ok, 0, I, interpret).astype(operand)  # [block_g, I]
+    w = common.gather(weights_ref, (i, safe_heads), head_ok, 0.0)  # f32[block_g]; padded heads weigh 0
+
+    def block(j, carry):  # keys block `j` of this program: scores f32[block_c] written
+        c = (program * blocks_per_program + j) * block_c + jnp.arange(block_c, dtype=jnp.int32)
+        allowed = (c <= position) & (c < C)  # bool[block_c]; keys past the position are not read
+        safe_c = common.safe_index(c, allowed, C)
+        keys = common.gather(
+            keys_ref,
+            common.row_block((layer, i), safe_c, 0, I, interpret),
+            jnp.broadcast_to(allowed[:, None], (block_c, I)),
+            jnp.zeros((), keys_ref.dtype),  # typed: Triton casts no int to fp8
+        ).astype(operand)  # [block_c, I]
+        per_head = jax.lax.dot_general(
+            q, keys, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )  # f32[block_g, block_c]
+        per_head = jnp.maximum(per_head * I**-0.5, 0.0)
+        scores = jnp.sum(per_head * w[:, None], axis=0)  # f32[block_c]
+        if fp8:
+            scores = scores * common.gather(scales_ref, (layer, i, safe_c), allowed, 1.0)
+        in_row = c < C
+        common.scatter(out_ref, (i, common.safe_index(c, in_row, C)), jnp.where(allowed, scores, MASKED), in_row)
+        return carry
+
+    if blocks_per_program == 1:
+        block(0, 0)
+    else:  # q and w loaded once; Triton pipelines the key loads over num_stages
+        jax.lax.fori_loop(0, blocks_per_program, block, 0)
+
+
+def default_blocking(b: int, C: int, fp8: bool) -> tuple[int, int]:
+    """(block_c, blocks_per_program), as measured on the H200 (2026-12-01, 64 heads x 128, bf16
+    keys, device us; docs/perf/bench_kernels_indexer_h200_2026-12-01b.json). bf16 / f32 keys:
+    64-key blocks, 16 per program (47 x 32k 126.8 us vs 130.6 for 8 x 128; 190 x 32k 466.0 vs
+    476.7; 47 x 64k 235.9 vs 247.1; 47 x 128k 455.4 vs 465.2), 4 per program when that leaves
+    under 1024 programs (13 x 32k: 42.7 us vs 47.0 with 16, 45.9 for 8 x 128). fp8 keys: 1
+    block of 128 (35 us faster than 8 at 47 x 32k, docs/PERFORMANCE.md; why is not established)."""
+    if fp8:
+        return 128, 1
+    return 64, (16 if b * pl.cdiv(C, 64 * 16) >= 1024 else 4)
+
+
+def index_scores_masked_pallas(
+    q, weights, index_keys, key_scales, layer, positions, *, block_c=None, blocks_per_program=None, num_warps=4, num_stages=None
+):
+    """The Pallas kernel; see index_scores_masked. Each program scores blocks_per_program blocks
+    of block_c keys (a power of two) of one request; None: default_blocking (measured)."""
+    check_inputs(q, weights, index_keys, key_scales, layer, positions)
+    b, G, I = q.shape
+    C = index_keys.shape[2]
+    if I < 16 or I & (I - 1):
+        raise ValueError(f"the indexer kernel needs a power-of-two head dim >= 16 (a Triton dot), got I = {I}")
+    fp8 = is_fp8(index_keys.dtype)
+    default_c, default_blocks = default_blocking(b, C, fp8)
+    block_c = block_c or default_c
+    if block_c < 16 or block_c & (block_c - 1):
+        raise ValueError(f"block_c ({block_c}) must be a power of two >= 16")
+    block_c = min(block_c, max(16, common.next_power_of_2(C)))
+    if blocks_per_program is None:
+        blocks_per_program = default_blocks
+    blocks_per_program = min(blocks_per_program, pl.cdiv(C, block_c))  # no program past the row
+    if num_stages is None:
+        num_stages = 3 if blocks_per_program > 1 else 1
+    kernel = functools.partial(
+        _scores_kernel,
+        block_g=max(16, common.next_power_of_2(G)),
+        block_c=block_c,
+        blocks_per_program=blocks_per_program,
+        fp8=fp8,
+        interpret=common.interpret_mode(),
+    )
+    # An unused f32[1] stands in for the scales of non-fp8 keys (a zero-size operand has no pointer).
+    scales = key_scales if fp8 else jnp.zeros((1,), jnp.float32)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((b, C), jnp.float32),
+        grid=(b, pl.cdiv(C, block_c * blocks_per_program)),
+        in_specs=[common.any_spec()] * 6,
+        out_specs=common.any_spec(),
+        compiler_params=common.triton_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=common.interpret_mode(),
+        name="hisparse_indexer_scores",
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), positions.astype(jnp.int32), q, weights.astype(jnp.float32), index_keys, scales)

@@ -1,0 +1,325 @@
+"""Sparse MLA attention as Pallas GPU kernels (Triton lowering): bf16 rows, and fp8 rows dequantised
+in the kernel; split-K over the selected rows with a combine of the partial softmaxes."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common
+from pallas_kernels.sparse_mla_attention.base import MASKED, check_inputs, is_quantized
+
+_RUNNING_MAX_START = -1e30  # finite, so a fully masked block gives exp(-inf) = 0, not NaN
+
+
+def _dot_precision(dtype):
+    # f32 rows are for exact tests: keep full f32 products (Triton's default would be TF32).
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _attention_kernel(
+    layer_ref,  # i32[1]
+    query_ref,  # [R, H, W]
+    slots_ref,  # i32[R, K]
+    kv_ref,  # row[L, R, S, W]
+    *out_refs,  # f32[R, H, D]; split-K: f32[N, R, H, D] partial sums, f32[N, R, H] maxima and totals
+    latent_dim: int,
+    sm_scale: float,
+    block_h: int,
+    block_k: int,
+    num_splits: int,
+    interpret: bool,
+):
+    r, head_block = pl.program_id(0), pl.program_id(1)
+    H, W = query_ref.shape[1], query_ref.shape[2]
+    K, S = slots_ref.shape[1], kv_ref.shape[2]
+    layer = layer_ref[0]
+    precision = _dot_precision(kv_ref.dtype)
+    safe_heads, head_ok = common.head_block(head_block * block_h, block_h, H)
+    value_pieces = common.power_of_2_pieces(latent_dim)
+    key_pieces = value_pieces + [(latent_dim + o, s) for o, s in common.power_of_2_pieces(W - latent_dim)]
+    queries = [
+        common.gather_rows(query_ref, (r,), safe_heads, head_ok, o, s, interpret).astype(kv_ref.dtype) for o, s in key_pieces
+    ]  # [block_h, s] each
+
+    def body(step, carry):
+        running_max, total, accs = carry
+        k = step * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        slot = common.gather(slots_ref, (r, common.safe_index(k, k < K, K)), k < K, -1)
+        valid = slot >= 0
+        safe_slot = common.safe_index(slot, valid, S)
+        keys = [
+            common.gather(
+                kv_ref, common.row_block((layer, common.request_row(r, kv_ref)), safe_slot, o, s, interpret), jnp.broadcast_to(valid[:, None], (block_k, s)), 0
+            )
+            for o, s in key_pieces
+        ]  # row[block_k, s] each
+        scores = sum(
+            jax.lax.dot_general(q, kk, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+            for q, kk in zip(queries, keys)
+        ) * sm_scale  # f32[block_h, block_k]
+        scores = jnp.where(valid[None, :], scores, MASKED)
+        new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))  # f32[block_h]
+        rescale = jnp.exp(running_max - new_max)
+        weights = jnp.exp(scores - new_max[:, None])  # f32[block_h, block_k]
+        total = total * rescale + jnp.sum(weights, axis=1)
+        accs = [
+            acc * rescale[:, None]
+            + jax.lax.dot(weights.astype(kv_ref.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+            for acc, v in zip(accs, keys[: len(value_pieces)])
+        ]
+        return new_max, total, accs
+
+    init = (
+        jnp.full((block_h,), _RUNNING_MAX_START, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+        [jnp.zeros((block_h, s), jnp.float32) for _, s in value_pieces],
+    )
+    running_max, total, accs = jax.lax.fori_loop(*_key_block_range(K, block_k, num_splits), body, init)
+    _store(out_refs, r, safe_heads, head_ok, value_pieces, accs, running_max, total, num_splits, interpret)
+
+
+def _key_block_range(K: int, block_k: int, num_splits: int):
+    """(first, end) key blocks of this program: all of them, or its split's share (program axis 2)."""
+    steps = pl.cdiv(K, block_k)
+    if num_splits == 1:
+        return 0, steps
+    per_split = pl.cdiv(steps, num_splits)
+    first = pl.program_id(2) * per_split
+    return first, jnp.minimum(first + per_split, steps)
+
+
+def _store(out_refs, r, safe_heads, head_ok, value_pieces, accs, running_max, total, num_splits, interpret):
+    """The program's result: normalised rows of out[r], or (split-K) its unnormalised partial sums,
+    running maxima and totals for combine_splits. accs: f32[block_h, s] per value piece."""
+    block_h = head_ok.shape[0]
+    if num_splits == 1:
+        (out_ref,) = out_refs
+        scale = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+        leading = (r,)
+    else:
+        out_ref, max_ref, total_ref = out_refs
+        scale = jnp.ones_like(total)
+        leading = (pl.program_id(2), r)
+        common.scatter(max_ref, (*leading, safe_heads), running_max, head_ok)
+        common.scatter(total_ref, (*leading, safe_heads), total, head_ok)
+    for (o, s), acc in zip(value_pieces, accs):
+        common.scatter(
+            out_ref, common.row_block(leading, safe_heads, o, s, interpret), acc * scale[:, None], jnp.broadcast_to(head_ok[:, None], (block_h, s))
+        )
+
+
+def combine_splits(partial, maxima, totals):
+    """Split-K partial results -> f32[R, H, D]: partial f32[N, R, H, D] (unnormalised sums of each
+    split's keys), maxima, totals f32[N, R, H] (its running max and softmax total). Rescales
+    every split to the overall max, as flash-decoding does; zero where no key was valid."""
+    top = jnp.max(maxima, axis=0)  # f32[R, H]
+    weight = jnp.exp(maxima - top[None])  # f32[N, R, H]: 0 for a split that saw no valid key
+    total = jnp.sum(weight * totals, axis=0)  # f32[R, H]
+    out = jnp.sum(weight[..., None] * partial, axis=0)  # f32[R, H, D]
+    return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
+
+
+def _interleave4(p0, p1, p2, p3):
+    """Four [N, n] planes -> [N, 4n] with column 4w + j = p_j[:, w]: two levels of 2-way stacks
+    on the last axis (Triton's join) and a reshape that keeps element order."""
+    inner = jnp.stack([jnp.stack([p0, p2], axis=-1), jnp.stack([p1, p3], axis=-1)], axis=-1)  # [N, n, 2, 2]
+    return inner.reshape(p0.shape[0], 4 * p0.shape[1])
+
+
+def _fp8_attention_kernel(
+    layer_ref,  # i32[1]
+    query_ref,  # [R, H, D + rope]
+    slots_ref,  # i32[R, K]
+    kv_ref,  # u32[L, R, S, W]: packed fp8 rows
+    *out_refs,  # as _attention_kernel's
+    latent_dim: int,
+    group_size: int,
+    rope_dim: int,
+    sm_scale: float,
+    block_h: int,
+    block_k: int,
+    compute_dtype,
+    num_splits: int,
+    interpret: bool,
+):
+    r, head_block = pl.program_id(0), pl.program_id(1)
+    H, K, S = query_ref.shape[1], slots_ref.shape[1], kv_ref.shape[2]
+    D, G = latent_dim, group_size
+    num_groups = D // G
+    scale_word, rope_word = D // 4, D // 4 + num_groups  # first scale word, first rope word
+    layer = layer_ref[0]
+    precision = _dot_precision(compute_dtype)
+    heads = head_block * block_h + jnp.arange(block_h, dtype=jnp.int32)
+    head_ok = heads < H
+    safe_heads = common.safe_index(heads, head_ok, H)
+
+    def load_query(start, size):
+        block = common.row_block((r,), safe_heads, start, size, interpret)
+        return common.gather(query_ref, block, jnp.broadcast_to(head_ok[:, None], (block_h, size)), 0).astype(compute_dtype)
+
+    q_latent, q_rope = load_query(0, D), load_query(D, rope_dim)  # [block_h, D], [block_h, rope]
+    column = jnp.arange(D, dtype=jnp.int32)[None, :]  # i32[1, D]: latent column
+
+    def byte_of(words, j):  # u8: byte j of each word
+        return ((words >> (8 * j)) & 0xFF).astype(jnp.uint8)
+
+    def dot_t(a, b):  # a [M, n] . b [N, n]^T -> f32[M, N]
+        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+    def body(step, carry):
+        running_max, total, acc = carry
+        k = step * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        slot = common.gather(slots_ref, (r, common.safe_index(k, k < K, K)), k < K, -1)
+        valid = slot >= 0
+        safe_slot = common.safe_index(slot, valid, S)
+
+        def load_words(word, n):  # u32[block_k, n]: words word .. word + n - 1 of the selected rows (0 if masked)
+            block = common.row_block((layer, common.request_row(r, kv_ref)), safe_slot, word, n, interpret)
+            return common.gather(kv_ref, block, jnp.broadcast_to(valid[:, None], (block_k, n)), 0)
+
+        # Dequantise: fp8 bytes back in latent order (joined as bytes: the cheapest layout
+        # change), times their group's scale in f32, then the matmul dtype. A masked entry reads
+        # zero words: zero values, zero scale.
+        words = load_words(0, D // 4)
+        latent = _interleave4(*(byte_of(words, j) for j in range(4)))  # u8[block_k, D], latent order
+        latent = jax.lax.bitcast_convert_type(latent, jnp.float8_e4m3fn).astype(jnp.float32)
+        scale = 0.0
+        for g in range(num_groups):  # f32[block_k, D]: each column's group scale, by selects (no reshape)
+            word = common.gather(kv_ref, (layer, common.request_row(r, kv_ref), safe_slot, scale_word + g), valid, 0)  # u32[block_k]
+            scale = jnp.where(column // G == g, jax.lax.bitcast_convert_type(word, jnp.float32)[:, None], scale)
+        keys = (latent * scale).astype(compute_dtype)  # [block_k, D]
+        words = load_words(rope_word, rope_dim // 2)
+        halves = [((words >> (16 * j)) & 0xFFFF).astype(jnp.uint16) for j in range(2)]  # joined as u16, then bf16
+        rope = jnp.stack(halves, axis=-1).reshape(block_k, rope_dim)  # u16[block_k, rope], rope order
+        rope = jax.lax.bitcast_convert_type(rope, jnp.bfloat16).astype(compute_dtype)
+        scores = (dot_t(q_latent, keys) + dot_t(q_rope, rope)) * sm_scale  # f32[block_h, block_k]
+        scores = jnp.where(valid[None, :], scores, MASKED)
+        new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))  # f32[block_h]
+        rescale = jnp.exp(running_max - new_max)
+        weights = jnp.exp(scores - new_max[:, None])  # f32[block_h, block_k]
+        total = total * rescale + jnp.sum(weights, axis=1)
+        acc = acc * rescale[:, None] + jax.lax.dot(
+            weights.astype(compute_dtype), keys, precision=precision, preferred_element_type=jnp.float32
+        )
+        return new_max, total, acc
+
+    init = (
+        jnp.full((block_h,), _RUNNING_MAX_START, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+        jnp.zeros((block_h, D), jnp.float32),
+    )
+    running_max, total, acc = jax.lax.fori_loop(*_key_block_range(K, block_k, num_splits), body, init)
+    _store(out_refs, r, safe_heads, head_ok, [(0, D)], [acc], running_max, total, num_splits, interpret)
+
+
+def _check_fp8_kernel_sizes(layout) -> None:
+    """The kernel holds the latent and the rope words as single tiles: Triton needs power-of-two
+    sizes (512 / 4 = 128 words and 64 / 2 = 32 words for DeepSeek-V3.2)."""
+    D, rope = layout.latent_dim, layout.rope_dim
+    for name, n in (("latent_dim / 4", D // 4), ("rope_dim / 2", rope // 2)):
+        if n & (n - 1):
+            raise ValueError(f"the Pallas fp8 attention needs {name} ({n}) a power of two; use implementation='reference'")
+
+
+def default_launch_shape(num_requests: int, num_heads: int, quantized: bool = False) -> dict:
+    """The kernel's launch shape (block_h, block_k, num_warps, num_stages) for R x H heads.
+
+    Measured on the H200 (docs/PERFORMANCE.md, top_k 2048, bf16): 64-head blocks win once the
+    grid is large (batch 128 x 128 heads: 406 us vs 614 us for 32-head blocks), 32-head blocks
+    with 128-row key blocks when it is small (batch 16 x 128 heads: 105 us vs 207 us).
+    fp8 rows (quantized) dequantise each key block through shared memory on top of that: FP8_LAUNCH."""
+    if quantized:
+        return dict(FP8_LAUNCH)
+    if num_requests * num_heads >= 8192:
+        return dict(block_h=64, block_k=64, num_warps=8, num_stages=2)
+    return dict(block_h=32, block_k=128, num_warps=8, num_stages=2)
+
+
+# Measured on the H200 at batch 128 x 128 heads, top_k 2048 (us per call, back to back): 64-head
+# blocks of 32 keys, 8 warps, 2 stages: 741; 1 stage: 881; 64 keys, 1 stage: 887; 32-head blocks
+# of 64 keys, 8 warps: 1182; 4 warps: 1986; 64 keys with 2 stages or 128-head blocks need more
+# than the 227 KB of shared memory. bench_kernels (L2 flushed): 701 us, vs 415 us for bf16 rows.
+FP8_LAUNCH = dict(block_h=64, block_k=32, num_warps=8, num_stages=2)
+
+
+def sparse_mla_attention_pallas(
+    query, kv, layer, slots, *, latent_dim, sm_scale, layout=None, block_h=None, block_k=None, num_warps=None, num_stages=None,
+    num_splits=None,
+):
+    """The Pallas kernel: shapes as sparse_mla_attention_reference; the launch shape defaults
+    to default_launch_shape(R, H). One program per (request, head block), or with num_splits
+    N > 1 (flash-decoding's split-K; default default_num_splits) per (request, head block, N-th
+    of the keys), whose partial results combine_splits merges. fp8 rows (layout) are
+    dequantised in the kernel; its matmuls run in the query's dtype (bf16, or f32 at full
+    precision for an f32 query), as plain rows' run in the row dtype."""
+    check_inputs(query, kv, layer, slots, latent_dim, layout)
+    R, H, _ = query.shape
+    shape = default_launch_shape(R, H, is_quantized(layout))
+    block_h = block_h or shape["block_h"]
+    block_k = block_k or shape["block_k"]
+    num_warps = num_warps or shape["num_warps"]
+    num_stages = num_stages or shape["num_stages"]
+    # Triton dots need every dimension >= 16: pad the head block and mask the extra heads.
+    block_h = max(16, min(block_h, common.next_power_of_2(H)))
+    block_k = max(16, min(block_k, common.next_power_of_2(slots.shape[1])))
+    if num_splits is None:
+        num_splits = default_num_splits(R * pl.cdiv(H, block_h), pl.cdiv(slots.shape[1], block_k))
+    if is_quantized(layout):
+        _check_fp8_kernel_sizes(layout)
+        compute_dtype = jnp.float32 if jnp.dtype(query.dtype) == jnp.float32 else jnp.bfloat16
+        kernel = functools.partial(
+            _fp8_attention_kernel,
+            latent_dim=latent_dim,
+            group_size=layout.group_size,
+            rope_dim=layout.rope_dim,
+            sm_scale=float(sm_scale),
+            block_h=block_h,
+            block_k=block_k,
+            compute_dtype=compute_dtype,
+            num_splits=num_splits,
+            interpret=common.interpret_mode(),
+        )
+    else:
+        kernel = functools.partial(
+            _attention_kernel,
+            latent_dim=latent_dim,
+            sm_scale=float(sm_scale),
+            block_h=block_h,
+            block_k=block_k,
+            num_splits=num_splits,
+            interpret=common.interpret_mode(),
+        )
+    f32 = jnp.float32
+    out_shape = [jax.ShapeDtypeStruct((R, H, latent_dim), f32)]
+    if num_splits > 1:
+        out_shape = [jax.ShapeDtypeStruct((num_splits, R, H, latent_dim), f32)] + [jax.ShapeDtypeStruct((num_splits, R, H), f32)] * 2
+    grid = (R, pl.cdiv(H, block_h)) + ((num_splits,) if num_splits > 1 else ())
+    out = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=[common.any_spec()] * 4,
+        out_specs=[common.any_spec()] * len(out_shape),
+        compiler_params=common.triton_params(num_warps=num_warps, num_stages=num_stages),
+        interpret=common.interpret_mode(),
+        name="hisparse_sparse_mla_attention",
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), query, slots, kv)
+    return out[0] if num_splits == 1 else combine_splits(*out)
+
+
+# About two waves of programs on the H200's 132 SMs: below that, split the keys.
+TARGET_PROGRAMS = 264
+MAX_SPLITS = 16
+
+
+def default_num_splits(programs: int, key_blocks: int) -> int:
+    """Key splits for `programs` (request, head block) programs over `key_blocks` blocks of keys:
+    1 once the grid fills the GPU, else enough for ~TARGET_PROGRAMS programs (at most MAX_SPLITS,
+    at least 2 key blocks per split)."""
+    if programs >= TARGET_PROGRAMS // 2:
+        return 1
+    return max(1, min(MAX_SPLITS, -(-TARGET_PROGRAMS // programs), key_blocks // 2))

@@ -1,0 +1,580 @@
+"""Top-k positions of masked indexer scores, without sorting the row.
+
+    topk_indices(scores f32[b, C], k) -> i32[b, K]
+
+is lax.top_k's choice and order (value descending, ties by the lower position) with every -inf
+(masked) position reported as -1 at the tail, and positions past C (K > C) -1 too:
+models/dsa/indexer.py's select_topk on scores already masked. -0.0 and +0.0 tie (the reference maps
+-0 to +0 first: lax.top_k ties them on the GPU, whose sort is CUB's radix sort, but ranks +0
+first on the CPU). A NaN score ranks first and is reported as -1, as there.
+
+The kernels never sort the C scores; default_method picks one of two by size (measured).
+method="radix": a bucket select over
+several programs per request, then an exact select inside the threshold bucket only:
+  1. histogram (grid b x S, S slices of L scores): each valid score's digit, the top 8 bits of
+     its fp16 order key (sign, 5 exponent bits, 2 mantissa bits: a monotone function of the
+     score; SGLang's top-k buckets the same way), counted per slice in i32[b, S, 256] by a
+     one-hot product on the tensor cores ([16, L] x [L, 16] -> 16 x 16 buckets);
+  2. split (grid b x S): the threshold digit D (the largest with >= K scores at or above it)
+     from the row's histogram; the scores above D are kept outright, in position order, and
+     those at D (the candidates) compacted in position order to a scratch row; every slice's
+     offset comes from the histograms of the slices before it;
+  3. resolve (grid b): among the candidates, the exact (K - kept)-th largest key T by bisection
+     between the candidates' smallest and largest keys (a 2**21-wide range for one fp16
+     bucket of 2 mantissa bits), then the candidates > T and the lowest-position ones == T
+     appended to the kept row;
+  4. the K kept pairs ordered by lax.sort on (~key, position): key descending, ties by the
+     lower position; NaN and padding carry position -1 already.
+method="bisect" (the 2026-12-01 kernel): one program per request row:
+  1. each score becomes a signed-int key in float order (bits ^ (sign ? 0x7fffffff : 0));
+     -inf and below (masked) become INVALID;
+  2. the K-th largest key T by bisection on the key's integer range: each step counts the keys
+     >= mid in one pass over the row (held in registers when it fits one chunk); it stops early
+     once exactly K keys are >= mid;
+  3. one pass keeps the keys > T and the lowest-position keys == T, K in all, and compacts them
+     in position order to a scratch row (one cumsum gives each kept key its slot);
+  4. the K kept (key, position) pairs are ordered by (key desc, position asc) with a bitonic
+     network in registers (Triton's tl.sort, written with reshapes and 2-wide sums; Pallas has
+     no sort), and the positions written, -1 for INVALID and NaN keys.
+  order: step 4 by lax.sort of the K kept pairs ("xla", the default: on the H200 XLA's sort of
+  b x 2048 pairs beat the bitonic network in Pallas), in a second kernel ("kernel", fewer
+  warps than the select needs), or in the selecting kernel ("fused").
+
+Shape letters: b requests, C scores per request, K selected, P = K rounded up to a power of 2,
+S slices per request (radix), L scores per slice, N = 256 histogram buckets (digits).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common
+from pallas_kernels.common import check_rank
+
+INVALID = np.iinfo(np.int32).min  # the key of a masked position (below every real score's key)
+_NEG_INF_KEY = int(np.int32(np.uint32(0xFF800000).view(np.int32)) ^ 0x7FFFFFFF)  # key(-inf)
+_POS_INF_KEY = 0x7F800000  # key(+inf); larger keys are NaNs
+
+
+def _sort_keys(x: jax.Array) -> jax.Array:
+    """f32[n] -> i32[n]: signed ints in the floats' order (-0 = +0, NaN above +inf); -inf (and
+    -NaN) -> INVALID."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
+    key = jnp.where(key == -1, 0, key)  # -0.0 (key -1) ties with +0.0, as on the GPU
+    return jnp.where(key > _NEG_INF_KEY, key, INVALID)
+
+
+def _count(mask: jax.Array) -> jax.Array:
+    return jnp.sum(mask.astype(jnp.int32))
+
+
+def _ceil_mid(lo, hi):
+    """ceil((lo + hi) / 2) of two i32 without overflow (arithmetic shifts floor)."""
+    return (lo >> 1) + (hi >> 1) + ((lo | hi) & 1)
+
+
+def _after(key_a, pos_a, key_b, pos_b):
+    """Whether (key_a, pos_a) comes after (key_b, pos_b) in (key asc, pos desc) order: a sort
+    that is descending in this order gives keys descending, ties by lower position."""
+    return (key_a > key_b) | ((key_a == key_b) & (pos_a < pos_b))
+
+
+def _compare_and_swap(keys, pos, flip, i: int, n_dims: int):
+    """One column of the bitonic network (Triton's standard._compare_and_swap): elements 2**(n-i-1)
+    apart are compared; a pair swaps where its order disagrees with `flip` (i32[n], 0 or 1)."""
+    n = keys.shape[0]
+    shape = (1 << i, 2, 1 << (n_dims - i - 1))
+    side = jax.lax.broadcasted_iota(jnp.int32, shape, 1)  # 0: left of the pair, 1: right
+
+    def halves(x):  # the pair's left and right values at both of its positions, i32[n] each
+        y = x.reshape(shape)
+        left = jnp.sum(jnp.where(side == 0, y, 0), axis=1, keepdims=True)
+        right = jnp.sum(jnp.where(side == 1, y, 0), axis=1, keepdims=True)
+        return jnp.broadcast_to(left, shape).reshape(n), jnp.broadcast_to(right, shape).reshape(n)
+
+    left_key, right_key = halves(keys)
+    left_pos, right_pos = halves(pos)
+    swap = _after(left_key, left_pos, right_key, right_pos).astype(jnp.int32) != flip
+    keys = keys ^ jnp.where(swap, left_key ^ right_key, 0)  # x ^ (l ^ r): the other one of the pair
+    pos = pos ^ jnp.where(swap, left_pos ^ right_pos, 0)
+    return keys, pos
+
+
+def _bitonic_sort_descending(keys, pos):
+    """keys, pos i32[n] (n a power of two, (key, pos) pairs distinct) -> both ordered by key
+    descending, ties by pos ascending (Triton's tl.sort, descending, on pairs)."""
+    n = keys.shape[0]
+    n_dims = n.bit_length() - 1
+    for stage in range(1, n_dims + 1):
+        if stage < n_dims:  # alternate directions: blocks of 2**stage become bitonic
+            shape = (1 << (n_dims - 1 - stage), 2, 1 << stage)
+            flip = jax.lax.broadcasted_iota(jnp.int32, shape, 1).reshape(n)
+        else:
+            flip = jnp.ones((n,), jnp.int32)
+        for i in range(stage):
+            keys, pos = _compare_and_swap(keys, pos, flip, i + n_dims - stage, n_dims)
+    return keys, pos
+
+
+def _span(leading, start, size: int, length: int, interpret: bool) -> tuple:
+    """Index of ref[*leading, start : start + size] (a last axis of `length`; lanes past it must
+    be masked). leading: an index or a tuple of them. The Triton lowering takes a contiguous
+    slice (vectorised, coalesced accesses); the interpreter an index array whose lanes past the
+    end point one past it (common.py)."""
+    leading = leading if isinstance(leading, tuple) else (leading,)
+    if interpret:
+        lanes = start + jnp.arange(size, dtype=jnp.int32)
+        return (*leading, jnp.minimum(lanes, length))
+    return (*leading, pl.ds(start, size))
+
+
+def _largest_threshold(count_ge, lo, hi, need):
+    """The largest t in [lo, hi] with count_ge(t) >= need, by bisection on the key's integer
+    range (count_ge(lo) >= need must hold); it stops early once exactly `need` keys are >= mid."""
+
+    def bisect(bounds):
+        lo, hi = bounds
+        mid = _ceil_mid(lo, hi)
+        n = count_ge(mid)
+        lo = jnp.where(n >= need, mid, lo)
+        hi = jnp.where(n == need, mid, jnp.where(n >= need, hi, mid - 1))  # exactly `need`: done
+        return lo, hi
+
+    threshold, _ = jax.lax.while_loop(lambda b: b[0] < b[1], bisect, (lo, hi))
+    return threshold
+
+
+def _select_kernel(
+    scores_ref,  # f32[b, C]
+    out_ref,  # i32[b, K]: the result (order="fused"), else unused
+    kept_keys_ref,  # i32[b, P]: the kept keys in position order, INVALID-padded
+    kept_pos_ref,  # i32[b, P]: their positions (padding: C + lane, distinct)
+    *,
+    k: int,
+    chunk: int,
+    fused: bool,
+    stop_after: str | None,
+    interpret: bool,
+):
+    """Steps 1-3 for row r (+ step 4 when fused); see the module docstring."""
+    r = pl.program_id(0)
+    C = scores_ref.shape[1]
+    P = kept_keys_ref.shape[1]
+    n_chunks = pl.cdiv(C, chunk)
+
+    def load(ci):  # keys i32[chunk] of chunk ci; past C: INVALID
+        c = ci * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        return _sort_keys(common.gather(scores_ref, _span(r, ci * chunk, chunk, C, interpret), c < C, -jnp.inf))
+
+    resident = load(0) if n_chunks == 1 else None  # the whole row in registers
+
+    def over_row(fn, init):  # fold fn(carry, keys, chunk index) over the row's chunks
+        if n_chunks == 1:
+            return fn(init, resident, 0)
+        return jax.lax.fori_loop(0, n_chunks, lambda ci, carry: fn(carry, load(ci), ci), init)
+
+    # 2. The K-th largest key: the largest t with #(key >= t) >= K, by bisection on [lo, hi].
+    def stats(carry, keys, _):
+        n_valid, top = carry
+        return n_valid + _count(keys != INVALID), jnp.maximum(top, jnp.max(keys))
+
+    n_valid, top = over_row(stats, (jnp.int32(0), jnp.int32(INVALID)))
+    lo = jnp.int32(_NEG_INF_KEY + 1)
+    hi = jnp.where(n_valid > k, top, lo)  # K or fewer valid keys: keep them all (T = lo)
+
+    count_ge = lambda t: over_row(lambda n, keys, _: n + _count(keys >= t), jnp.int32(0))  # noqa: E731
+    threshold = _largest_threshold(count_ge, lo, hi, k)
+    if stop_after == "threshold":  # timing a stage alone (benchmarks/bench_indexer.py)
+        lane = jnp.arange(16, dtype=jnp.int32)
+        common.scatter(out_ref, (r, common.safe_index(lane, lane < 1, k)), jnp.full((16,), threshold), lane < 1)
+        return
+    n_gt = over_row(lambda n, keys, _: n + _count(keys > threshold), jnp.int32(0))
+    ties_taken = k - n_gt  # the lowest-position keys == T fill the rest
+
+    # 3. Keep and compact, in position order: one cumsum counts both kinds before each key
+    # (keys > T in the low 16 bits, keys == T in the high ones; a chunk holds <= 2**15 keys).
+    def compact(carry, keys, ci):
+        gt_before, eq_before = carry
+        gt, eq = keys > threshold, keys == threshold
+        packed = gt.astype(jnp.int32) | (eq.astype(jnp.int32) << 16)
+        running = jnp.cumsum(packed) - packed  # exclusive, i32[chunk]
+        gt_rank = gt_before + (running & 0xFFFF)
+        eq_rank = eq_before + ((running >> 16) & 0xFFFF)
+        keep = gt | (eq & (eq_rank < ties_taken))
+        slot = common.safe_index(gt_rank + jnp.minimum(eq_rank, ties_taken), keep, P)  # kept keys before this one
+        common.scatter(kept_keys_ref, (r, slot), keys, keep)
+        # positions recomputed here, not kept live across the passes (registers)
+        common.scatter(kept_pos_ref, (r, slot), ci * chunk + jnp.arange(chunk, dtype=jnp.int32), keep)
+        return gt_before + _count(gt), eq_before + _count(eq)
+
+    over_row(compact, (jnp.int32(0), jnp.int32(0)))
+    lanes = jnp.arange(P, dtype=jnp.int32)
+    filled = lanes < jnp.minimum(n_valid, k)
+    if not fused:  # pad the scratch rows for the separate ordering step
+        pad = common.safe_index(lanes, ~filled, P)
+        common.scatter(kept_keys_ref, (r, pad), jnp.full((P,), INVALID, jnp.int32), ~filled)
+        common.scatter(kept_pos_ref, (r, pad), C + lanes, ~filled)
+        return
+
+    # 4. Order the K kept pairs and write their positions.
+    common.barrier(interpret)
+    keys = common.gather(kept_keys_ref, _span(r, 0, P, P, interpret), filled, INVALID)  # i32[P]
+    pos = common.gather(kept_pos_ref, _span(r, 0, P, P, interpret), filled, 0)
+    _write_ordered(out_ref, r, keys, jnp.where(filled, pos, C + lanes), k, interpret)
+
+
+def _write_ordered(out_ref, r, keys, pos, k: int, interpret: bool):
+    """Sorts the kept pairs (i32[P] each) and writes row r's K positions, -1 for masked / NaN."""
+    keys, pos = _bitonic_sort_descending(keys, pos)
+    ok = (keys != INVALID) & (keys <= _POS_INF_KEY)  # masked and NaN scores -> -1
+    lanes = jnp.arange(keys.shape[0], dtype=jnp.int32)
+    common.scatter(out_ref, _span(r, 0, keys.shape[0], k, interpret), jnp.where(ok, pos, -1), lanes < k)
+
+
+def _order_kernel(kept_keys_ref, kept_pos_ref, out_ref, *, k: int, interpret: bool):
+    """Step 4 as its own kernel (order="kernel"): kept pairs i32[b, P] x 2 -> out i32[b, K]."""
+    r = pl.program_id(0)
+    P = kept_keys_ref.shape[1]
+    every = jnp.ones((P,), jnp.bool_)
+    keys = common.gather(kept_keys_ref, _span(r, 0, P, P, interpret), every, INVALID)  # i32[P]
+    pos = common.gather(kept_pos_ref, _span(r, 0, P, P, interpret), every, 0)
+    _write_ordered(out_ref, r, keys, pos, k, interpret)
+
+
+def _order_with_lax_sort(kept_keys, kept_pos, k):
+    """i32[b, P] kept keys / positions in position order -> i32[b, K] (key desc, position asc)."""
+    neg_keys, pos = jax.lax.sort((~kept_keys, kept_pos), dimension=1, num_keys=2)  # ~: order reversed
+    keys = ~neg_keys
+    ok = (keys != INVALID) & (keys <= _POS_INF_KEY)
+    return jnp.where(ok, pos, -1)[:, :k]
+
+
+ORDERS = ("kernel", "fused", "xla")
+
+
+def _topk_bisect(scores, k: int, *, chunk=32768, num_warps=16, order="xla", order_warps=4, stop_after=None):
+    """method="bisect" (one program per row; module docstring). chunk: scores per register-resident chunk (a power
+    of two; a row longer than one chunk is re-read from memory on every pass). order: how the
+    K kept pairs are ordered: "xla" (lax.sort of the K pairs: the fastest on the H200, ~47 us
+    faster than "kernel" at 47 x 32k), "kernel" (a second kernel, order_warps warps), "fused"
+    (in the selecting kernel). stop_after "threshold" / "compact" ends after that stage
+    (timing stages alone; the output is then not the top-k)."""
+    if chunk < 16 or chunk & (chunk - 1) or chunk > 32768:
+        raise ValueError(f"chunk ({chunk}) must be a power of two in [16, 32768]")
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+    if stop_after not in (None, "threshold", "compact"):
+        raise ValueError(f"stop_after must be None, 'threshold' or 'compact', got {stop_after!r}")
+    b, C = scores.shape
+    P = max(16, common.next_power_of_2(k))
+    chunk = min(chunk, max(16, common.next_power_of_2(C)))
+    interpret = common.interpret_mode()
+    fused = order == "fused" and stop_after is None
+    select = functools.partial(_select_kernel, k=k, chunk=chunk, fused=fused, stop_after=stop_after, interpret=interpret)
+    out, kept_keys, kept_pos = pl.pallas_call(
+        select,
+        out_shape=(
+            jax.ShapeDtypeStruct((b, k), jnp.int32),
+            jax.ShapeDtypeStruct((b, P), jnp.int32),
+            jax.ShapeDtypeStruct((b, P), jnp.int32),
+        ),
+        grid=(b,),
+        in_specs=[common.any_spec()],
+        out_specs=[common.any_spec()] * 3,
+        compiler_params=common.triton_params(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="hisparse_indexer_topk_select",
+    )(scores.astype(jnp.float32))
+    if stop_after is not None:
+        return out if stop_after == "threshold" else kept_pos
+    if order == "fused":
+        return out
+    if order == "xla":
+        return _order_with_lax_sort(kept_keys, kept_pos, k)
+    return pl.pallas_call(
+        functools.partial(_order_kernel, k=k, interpret=interpret),
+        out_shape=jax.ShapeDtypeStruct((b, k), jnp.int32),
+        grid=(b,),
+        in_specs=[common.any_spec()] * 2,
+        out_specs=common.any_spec(),
+        compiler_params=common.triton_params(num_warps=order_warps, num_stages=1),
+        interpret=interpret,
+        name="hisparse_indexer_topk_order",
+    )(kept_keys, kept_pos)
+
+
+DIGITS = 256  # histogram buckets: an 8-bit digit
+_HALF = 16  # a digit's two 4-bit halves: a [16, L] x [L, 16] one-hot product counts 256 buckets
+_MAX_KEY = np.iinfo(np.int32).max  # ~INVALID: the stored (inverted) key of a padding entry
+
+
+def _digit(x: jax.Array) -> jax.Array:
+    """f32[n] -> i32[n] in [0, 256): the top 8 bits of the score's fp16 order key (sign, 5
+    exponent bits, 2 mantissa bits). Monotone in the score (rounding to fp16 is), -0 = +0, and
+    NaN, +inf and scores past fp16's range in the top buckets: the kept set depends on the exact
+    keys only, the digit only decides which scores need them."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float16), jnp.int16).astype(jnp.int32)  # sign-extended
+    key = bits ^ ((bits >> 15) & 0x7FFF)  # i32 in [-32768, 32767], fp16 order
+    key = jnp.where(key == -1, 0, key)  # fp16 -0.0 (tiny negatives round to it) ties with +0
+    return (key >> 8) + 128
+
+
+def _reported(keys: jax.Array, pos: jax.Array) -> jax.Array:
+    """The position a kept key reports: -1 for a NaN score (select_topk's), else its own."""
+    return jnp.where(keys <= _POS_INF_KEY, pos, -1)
+
+
+def _histogram_kernel(scores_ref, hist_ref, *, slice_len: int, sub: int, onehot: str, interpret: bool):
+    """scores f32[b, C] -> hist i32[b, S, N]: per digit, the valid scores of slice s of row r.
+    Counted on the tensor cores: one-hot [16, sub] (digit's high half) x [16, sub]^T (low
+    half) accumulates the 16 x 16 buckets exactly in f32 (< 2**24 per slice); a compare-and-sum
+    over 256 buckets would cost 256 operations per score instead of 64."""
+    r, s = pl.program_id(0), pl.program_id(1)
+    C = scores_ref.shape[1]
+    half = jnp.arange(_HALF, dtype=jnp.int32)[:, None]  # i32[16, 1]
+    # bf16 one-hots accumulate in f32, int8 ones in i32 (half the bytes through shared memory)
+    operand, acc = (jnp.int8, jnp.int32) if onehot == "int8" else (jnp.bfloat16, jnp.float32)
+
+    def body(j, counts):  # counts [16, 16]: [high half, low half] of the digit
+        start = s * slice_len + j * sub
+        c = start + jnp.arange(sub, dtype=jnp.int32)
+        x = common.gather(scores_ref, _span(r, start, sub, C, interpret), c < C, -jnp.inf)  # f32[sub]
+        valid = (_sort_keys(x) != INVALID)[None, :]  # bool[1, sub]; masked and past C: not counted
+        digit = _digit(x)[None, :]  # i32[1, sub]
+        high = (((digit >> 4) == half) & valid).astype(operand)  # [16, sub]
+        low = ((digit & 15) == half).astype(operand)  # [16, sub]
+        return counts + jax.lax.dot_general(high, low, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+
+    counts = jax.lax.fori_loop(0, slice_len // sub, body, jnp.zeros((_HALF, _HALF), acc))
+    lanes = jnp.arange(DIGITS, dtype=jnp.int32)
+    common.scatter(hist_ref, _span((r, s), 0, DIGITS, DIGITS, interpret), counts.astype(jnp.int32).reshape(DIGITS), lanes < DIGITS)
+
+
+def _row_histogram(hist_ref, r, interpret: bool) -> jax.Array:
+    """Row r's slice histograms, i32[S', N] (S' = S rounded up to a power of 2; extra rows 0)."""
+    S = hist_ref.shape[1]
+    rows = jnp.arange(common.next_power_of_2(S), dtype=jnp.int32)
+    ok = rows < S
+    index = common.row_block((r,), common.safe_index(rows, ok, S), 0, DIGITS, interpret)
+    return common.gather(hist_ref, index, jnp.broadcast_to(ok[:, None], (rows.shape[0], DIGITS)), 0)
+
+
+def _bucket_plan(hist: jax.Array, s, k: int) -> tuple:
+    """One row's slice histograms i32[S', N], slice s -> i32[] each: (D, sure_before,
+    cand_before, n_sure, n_cand, n_valid). D: the threshold digit, the largest with >= K valid
+    scores at or above it (-1 when the row has fewer than K: all of them are kept). Sure: valid
+    scores with digit > D (all kept); candidates: digit == D; *_before: in the slices before s."""
+    total = jnp.sum(hist, axis=0)  # i32[N]
+    n_valid = jnp.sum(total)
+    at_or_above = n_valid - (jnp.cumsum(total) - total)  # i32[N]: valid scores with digit >= d
+    digits = jnp.arange(DIGITS, dtype=jnp.int32)
+    d = jnp.max(jnp.where(at_or_above >= k, digits, -1))
+    sure = jnp.sum(jnp.where(digits[None, :] > d, hist, 0), axis=1)  # i32[S']
+    cand = jnp.sum(jnp.where(digits[None, :] == d, hist, 0), axis=1)  # i32[S']
+    before = jnp.arange(hist.shape[0], dtype=jnp.int32) < s
+    return d, jnp.sum(jnp.where(before, sure, 0)), jnp.sum(jnp.where(before, cand, 0)), jnp.sum(sure), jnp.sum(cand), n_valid
+
+
+def _split_kernel(
+    hist_ref,  # i32[b, S, N]
+    scores_ref,  # f32[b, C]
+    kept_keys_ref,  # i32[b, K]: ~key of the kept scores, [0, n_sure) written here
+    kept_pos_ref,  # i32[b, K]: their reported positions
+    cand_keys_ref,  # i32[b, C]: keys of the candidates (digit == D), [0, n_cand) written
+    cand_pos_ref,  # i32[b, C]: their positions
+    *,
+    k: int,
+    slice_len: int,
+    chunk: int,
+    interpret: bool,
+):
+    """Step 2 for slice s of row r: sure scores to the kept row, candidates to the scratch row,
+    both in position order (a slice's offset: the counts of the slices before it)."""
+    r, s = pl.program_id(0), pl.program_id(1)
+    C, K = scores_ref.shape[1], kept_keys_ref.shape[1]
+    d, sure_before, cand_before, _, _, _ = _bucket_plan(_row_histogram(hist_ref, r, interpret), s, k)
+
+    def body(j, carry):
+        sure_seen, cand_seen = carry  # kept / candidate scores before this chunk, in the row
+        start = s * slice_len + j * chunk
+        c = start + jnp.arange(chunk, dtype=jnp.int32)
+        x = common.gather(scores_ref, _span(r, start, chunk, C, interpret), c < C, -jnp.inf)  # f32[chunk]
+        keys, digit = _sort_keys(x), _digit(x)  # i32[chunk] each
+        valid = keys != INVALID
+        sure, cand = valid & (digit > d), valid & (digit == d)
+        # one cumsum ranks both kinds: sure in the low 16 bits, candidates in the high ones
+        packed = sure.astype(jnp.int32) | (cand.astype(jnp.int32) << 16)
+        running = jnp.cumsum(packed) - packed  # exclusive, i32[chunk]
+        slot = common.safe_index(sure_seen + (running & 0xFFFF), sure, K)
+        common.scatter(kept_keys_ref, (r, slot), ~keys, sure)  # ~: lax.sort ascending = keys descending
+        common.scatter(kept_pos_ref, (r, slot), _reported(keys, c), sure)
+        slot = common.safe_index(cand_seen + (running >> 16), cand, C)
+        common.scatter(cand_keys_ref, (r, slot), keys, cand)
+        common.scatter(cand_pos_ref, (r, slot), c, cand)
+        return sure_seen + _count(sure), cand_seen + _count(cand)
+
+    jax.lax.fori_loop(0, slice_len // chunk, body, (sure_before, cand_before))
+
+
+def _resolve_kernel(
+    hist_ref,  # i32[b, S, N]
+    cand_keys_ref,  # i32[b, C]
+    cand_pos_ref,  # i32[b, C]
+    kept_keys_in,  # i32[b, K]: aliased to kept_keys_ref
+    kept_pos_in,  # i32[b, K]: aliased to kept_pos_ref
+    kept_keys_ref,  # i32[b, K]: [n_sure, K) written here (chosen candidates, then padding)
+    kept_pos_ref,  # i32[b, K]
+    *,
+    k: int,
+    chunk: int,
+    interpret: bool,
+):
+    """Step 3 for row r: the exact threshold among the candidates, the chosen ones appended in
+    position order, the rest of the kept row padded (key ~INVALID, position -1)."""
+    del kept_keys_in, kept_pos_in
+    r = pl.program_id(0)
+    C, K = cand_keys_ref.shape[1], kept_keys_ref.shape[1]
+    _, _, _, n_sure, n_cand, n_valid = _bucket_plan(_row_histogram(hist_ref, r, interpret), 0, k)
+    n_kept = jnp.minimum(n_valid, k)
+    need = n_kept - n_sure  # candidates to keep: 1 .. n_cand, or 0 (then n_cand is 0)
+
+    def load(ref, ci, other):  # chunk ci of row r's candidates, i32[chunk]; `other` past n_cand
+        c = ci * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        return common.gather(ref, _span(r, ci * chunk, chunk, C, interpret), c < n_cand, other)
+
+    first = load(cand_keys_ref, 0, INVALID)  # held in registers: usually every candidate
+
+    def over(fn, init):  # fold fn(carry, keys, chunk index) over the candidates
+        carry = fn(init, first, 0)
+        return jax.lax.fori_loop(1, pl.cdiv(n_cand, chunk), lambda ci, c: fn(c, load(cand_keys_ref, ci, INVALID), ci), carry)
+
+    def stats(carry, keys, _):
+        low, top = carry
+        return jnp.minimum(low, jnp.min(jnp.where(keys != INVALID, keys, _MAX_KEY))), jnp.maximum(top, jnp.max(keys))
+
+    low, top = over(stats, (jnp.int32(_MAX_KEY), jnp.int32(INVALID)))
+    hi = jnp.where(n_cand > need, top, low)  # all candidates needed: T = their smallest key
+    count_ge = lambda t: over(lambda n, keys, _: n + _count(keys >= t), jnp.int32(0))  # noqa: E731
+    threshold = _largest_threshold(count_ge, low, hi, need)
+    ties_taken = need - over(lambda n, keys, _: n + _count(keys > threshold), jnp.int32(0))
+
+    def append(carry, keys, ci):  # as the bisect kernel's compaction, after the sure scores
+        gt_before, eq_before = carry
+        gt, eq = keys > threshold, keys == threshold  # padding (INVALID) is neither
+        packed = gt.astype(jnp.int32) | (eq.astype(jnp.int32) << 16)
+        running = jnp.cumsum(packed) - packed  # exclusive, i32[chunk]
+        gt_rank, eq_rank = gt_before + (running & 0xFFFF), eq_before + (running >> 16)
+        keep = gt | (eq & (eq_rank < ties_taken))
+        slot = common.safe_index(n_sure + gt_rank + jnp.minimum(eq_rank, ties_taken), keep, K)
+        common.scatter(kept_keys_ref, (r, slot), ~keys, keep)
+        common.scatter(kept_pos_ref, (r, slot), _reported(keys, load(cand_pos_ref, ci, 0)), keep)
+        return gt_before + _count(gt), eq_before + _count(eq)
+
+    over(append, (jnp.int32(0), jnp.int32(0)))
+    lanes = jnp.arange(common.next_power_of_2(K), dtype=jnp.int32)
+    pad = (lanes >= n_kept) & (lanes < K)
+    common.scatter(kept_keys_ref, (r, common.safe_index(lanes, pad, K)), jnp.full(lanes.shape, _MAX_KEY, jnp.int32), pad)
+    common.scatter(kept_pos_ref, (r, common.safe_index(lanes, pad, K)), jnp.full(lanes.shape, -1, jnp.int32), pad)
+
+
+def _topk_radix(
+    scores, k: int, *, slice_len=2048, sub=512, onehot="bfloat16", split_chunk=None, chunk=4096, hist_warps=4, split_warps=4, resolve_warps=8, stop_after=None
+):
+    """method="radix" (module docstring). slice_len: scores per histogram / split program (a
+    power of two); sub: scores per one-hot product, onehot its dtype ("bfloat16" or "int8");
+    split_chunk: scores per split step (None: the slice); chunk: candidates held in registers
+    by the resolve program (more are re-read from memory on every bisection step). stop_after
+    "histogram" / "resolve" returns that stage's output (timing only).
+    Defaults: H200, 47 x 32k, 2026-12-01 (docs/perf/bench_kernels_indexer_h200_2026-12-01a.json):
+    2048-score slices 5.6 us faster than 4096 (83.0 vs 88.6 us), 8192 24 us slower; the
+    resolve with 4096 candidates in registers and 8 warps 8.7 us against 12.6 with 2048 / 4.
+    Not faster (..._2026-12-01b.json): int8 one-hots (+2.1 us), 8 histogram warps (+7.3),
+    1024-score products (+2.3)."""
+    for name, value in (("slice_len", slice_len), ("sub", sub), ("chunk", chunk)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} ({value}) must be a power of two >= 16")
+    if onehot not in ("bfloat16", "int8"):
+        raise ValueError(f"onehot must be 'bfloat16' or 'int8', got {onehot!r}")
+    if stop_after not in (None, "histogram", "resolve"):
+        raise ValueError(f"stop_after must be None, 'histogram' or 'resolve', got {stop_after!r}")
+    b, C = scores.shape
+    interpret = common.interpret_mode()
+    slice_len = min(slice_len, max(16, common.next_power_of_2(C)))
+    sub = min(sub, slice_len)
+    split_chunk = min(split_chunk or slice_len, slice_len)
+    chunk = min(chunk, max(16, common.next_power_of_2(C)))
+    S = pl.cdiv(C, slice_len)
+    i32 = jnp.int32
+    scores = scores.astype(jnp.float32)
+    hist = pl.pallas_call(
+        functools.partial(_histogram_kernel, slice_len=slice_len, sub=sub, onehot=onehot, interpret=interpret),
+        out_shape=jax.ShapeDtypeStruct((b, S, DIGITS), i32),
+        grid=(b, S),
+        in_specs=[common.any_spec()],
+        out_specs=common.any_spec(),
+        compiler_params=common.triton_params(num_warps=hist_warps, num_stages=1),
+        interpret=interpret,
+        name="hisparse_indexer_topk_histogram",
+    )(scores)
+    if stop_after == "histogram":
+        return hist
+    kept_keys, kept_pos, cand_keys, cand_pos = pl.pallas_call(
+        functools.partial(_split_kernel, k=k, slice_len=slice_len, chunk=split_chunk, interpret=interpret),
+        out_shape=[jax.ShapeDtypeStruct(shape, i32) for shape in ((b, k), (b, k), (b, C), (b, C))],
+        grid=(b, S),
+        in_specs=[common.any_spec()] * 2,
+        out_specs=[common.any_spec()] * 4,
+        compiler_params=common.triton_params(num_warps=split_warps, num_stages=1),
+        interpret=interpret,
+        name="hisparse_indexer_topk_split",
+    )(hist, scores)
+    kept_keys, kept_pos = pl.pallas_call(
+        functools.partial(_resolve_kernel, k=k, chunk=chunk, interpret=interpret),
+        out_shape=[jax.ShapeDtypeStruct((b, k), i32)] * 2,
+        grid=(b,),
+        in_specs=[common.any_spec()] * 5,
+        out_specs=[common.any_spec()] * 2,
+        input_output_aliases={3: 0, 4: 1},
+        compiler_params=common.triton_params(num_warps=resolve_warps, num_stages=1),
+        interpret=interpret,
+        name="hisparse_indexer_topk_resolve",
+    )(hist, cand_keys, cand_pos, kept_keys, kept_pos)
+    if stop_after == "resolve":
+        return kept_pos
+    # (~key asc, position asc) = key descending, ties by the lower position; NaN and padding
+    # entries carry position -1 already, so the sorted positions are the result.
+    return jax.lax.sort((kept_keys, kept_pos), dimension=1, num_keys=2)[1]
+
+
+METHODS = ("radix", "bisect")
+
+
+def default_method(b: int, C: int) -> str:
+    """The faster method for b rows of C scores, as measured on the H200 (2026-12-01, K 2048,
+    docs/perf/bench_kernels_indexer_h200_2026-12-01b.json, device us radix / bisect): 13 x 32k
+    51.8 / 75.8, 47 x 32k 79.5 / 78.0, 190 x 32k 223.6 / 174.2, 47 x 64k 124.3 / 283.5,
+    47 x 128k 230.2 / 499.3. bisect (one program per row) wins once its row fits in registers
+    and the rows fill a third of the SMs; radix's histogram costs ~0.7 us per 1k-score slice
+    in all (throughput-bound), bisect's ~31 passes are latency-bound per row."""
+    return "bisect" if C <= 32768 and b >= 47 else "radix"
+
+
+def topk_indices_pallas(scores, k: int, *, method=None, **tuning):
+    """The Pallas kernels; see topk_indices. method "radix" (tuning: _topk_radix's arguments),
+    "bisect" (the 2026-12-01 kernel; tuning: _topk_bisect's) or None (default_method; name the
+    method when passing tuning)."""
+    check_rank("scores", scores, 2, "[b, C]")
+    if k < 1:
+        raise ValueError(f"k ({k}) must be >= 1")
+    method = method or default_method(*scores.shape)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "radix":
+        return _topk_radix(scores, k, **tuning)
+    return _topk_bisect(scores, k, **tuning)

@@ -1,0 +1,148 @@
+"""SYNTHETIC top-k selection for the miss-rate study: not what any model selects.
+
+A random-weight model's indexer does not select like a trained one (its consecutive top-k sets
+overlap far less), so its miss rates say little about a real deployment. This selector replaces
+the indexer's choice in the decode step with sets whose step-to-step overlap is a parameter:
+each step keeps `round(overlap * K)` entries of the previous set (a random subset) and draws the
+rest uniformly from the context positions outside it. Everything measured with it is labelled
+synthetic and kept apart from real-model figures (engine, run_decode, plots).
+
+Letters: J full-indexer layers, R request slots, K top-k entries, C max context.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from serving.errors import UsageError
+
+
+def _uniform(keys, shape):
+    """keys [R] -> f32[J, R, N] (shape = (J, N)): each slot's draws come from its own key."""
+    return jnp.moveaxis(jax.vmap(lambda k: jax.random.uniform(k, shape))(keys), 0, 1)
+
+
+def synthetic_topk(keys, previous, lengths, *, overlap: float, max_context: int):
+    """The next synthetic selection of every (layer, request).
+
+    keys: key[R], one per slot (the engine derives it from the request and position, so a
+    request's selections do not depend on what else runs);
+    previous: i32[J, R, K] last step's selection, -1 none (a fresh request);
+    lengths: i32[R] context incl. this step's token (0: inactive slot).
+    -> i32[J, R, K]: distinct positions in [0, length), -1 padding. A context of at most K
+    positions is selected whole, as the indexer's top-k does. When fewer than K - keep fresh
+    positions exist, more previous entries are kept instead.
+    """
+    J, R, K = previous.shape
+    C = max_context
+    keep = round(overlap * K)
+    n = lengths[None, :, None]  # i32[1, R, 1]
+    k_order, k_fresh = jax.vmap(jax.random.split, out_axes=1)(keys)  # key[R] each
+    valid = (previous >= 0) & (previous < n)  # bool[J, R, K]
+    # A random order of the previous selection, valid entries first.
+    order = jnp.argsort(jnp.where(valid, _uniform(k_order, (J, K)), 2.0), axis=-1)
+    shuffled = jnp.take_along_axis(jnp.where(valid, previous, -1), order, axis=-1)  # i32[J, R, K]
+    # Fresh: distinct positions in [0, n) outside the previous selection, in random order.
+    j_idx, r_idx = jnp.arange(J)[:, None, None], jnp.arange(R)[None, :, None]
+    in_previous = jnp.zeros((J, R, C + 1), bool).at[j_idx, r_idx, jnp.where(valid, previous, C)].set(True)[..., :C]
+    candidate = (jnp.arange(C) < n) & ~in_previous  # bool[J, R, C]
+    score, fresh = jax.lax.top_k(jnp.where(candidate, _uniform(k_fresh, (J, C)), -1.0), K)
+    fresh = jnp.where(score >= 0, fresh, -1).astype(jnp.int32)  # i32[J, R, K]
+    # Priority: `keep` previous entries, then fresh ones, then the other previous ones; first K valid win.
+    pool = jnp.concatenate([shuffled[..., :keep], fresh, shuffled[..., keep:]], axis=-1)  # i32[J, R, 2K]
+    rank = jnp.where(pool >= 0, jnp.arange(2 * K), 2 * K)
+    picked = jnp.take_along_axis(pool, jnp.argsort(rank, axis=-1)[..., :K], axis=-1)  # i32[J, R, K]
+    whole = jnp.where(jnp.arange(K) < n, jnp.arange(K), -1)  # i32[1, R, K]: short contexts
+    return jnp.where(n <= K, whole, picked).astype(jnp.int32)
+
+
+def overlap_counts(previous, current, max_context: int):
+    """(entries of `current` also in `previous`, valid entries of `current`), each i32[J, R].
+
+    previous, current: i32[J, R, K], -1 padding. The measured overlap is their ratio.
+    """
+    J, R, K = previous.shape
+    C = max_context
+    j_idx, r_idx = jnp.arange(J)[:, None, None], jnp.arange(R)[None, :, None]
+    member = jnp.zeros((J, R, C + 1), bool).at[j_idx, r_idx, jnp.where(previous >= 0, previous, C)].set(True)
+    valid = current >= 0
+    shared = member[j_idx, r_idx, jnp.where(valid, current, C)] & valid
+    return jnp.sum(shared, axis=-1, dtype=jnp.int32), jnp.sum(valid, axis=-1, dtype=jnp.int32)
+
+
+def _step(key, previous, positions, request_ids, *, overlap: float, max_context: int):
+    """positions, request_ids i32[R] (position -1: inactive) -> synthetic_topk plus its measured
+    overlap against `previous`, over (layer, request) pairs whose previous and current sets are
+    both full -> (i32[J, R, K], shared i32[], compared i32[])."""
+    K = previous.shape[-1]
+    lengths = jnp.where(positions >= 0, positions + 1, 0)  # i32[R]
+    keys = jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(key, r), p))(request_ids, positions)
+    current = synthetic_topk(keys, previous, lengths, overlap=overlap, max_context=max_context)
+    shared, valid = overlap_counts(previous, current, max_context)
+    full = (valid == K) & (jnp.sum(previous >= 0, axis=-1) == K)  # bool[J, R]
+    return current, jnp.sum(jnp.where(full, shared, 0)), jnp.sum(jnp.where(full, valid, 0))
+
+
+class SyntheticSelector:
+    """Per-slot synthetic selection state, stepped once per decode step (all slots at once)."""
+
+    def __init__(self, *, num_index_layers: int, num_requests: int, top_k: int, max_context: int, overlap: float, seed: int = 0):
+        if not 0.0 <= overlap <= 1.0:
+            raise UsageError(f"synthetic_topk_overlap must be in [0, 1], got {overlap}")
+        self.overlap = overlap
+        self.previous = jnp.full((num_index_layers, num_requests, top_k), -1, jnp.int32)  # i32[J, R, K]
+        self._key = jax.random.key(seed)
+        self._step = jax.jit(functools.partial(_step, overlap=overlap, max_context=max_context))
+        self._reset = jax.jit(lambda previous, slot: previous.at[:, slot].set(-1), donate_argnums=0)
+        self._move = jax.jit(lambda previous, source, target: previous.at[:, target].set(previous[:, source]), donate_argnums=0)
+        # previous i32[J, R, K] <- current i32[J, b, K] in slots 0 .. b - 1
+        self._put = jax.jit(lambda previous, current: jax.lax.dynamic_update_slice(previous, current, (0, 0, 0)), donate_argnums=0)
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        """Starts the measured overlap afresh (the engine does at each run)."""
+        # i32[] device counters: summed on the device so a step never waits for the host.
+        self._shared, self._compared = jnp.int32(0), jnp.int32(0)
+
+    @property
+    def shared_entries(self) -> int:
+        """Sum over steps of |S_t & S_t-1| (full sets only)."""
+        return int(self._shared)
+
+    @property
+    def compared_entries(self) -> int:
+        """Sum over the same pairs of K."""
+        return int(self._compared)
+
+    def reset(self, slot: int) -> None:
+        """A new request starts in `slot`: no previous selection."""
+        self.previous = self._reset(self.previous, jnp.int32(slot))
+
+    def move(self, source: int, target: int) -> None:
+        """The request in slot `source` moved to `target` (the engine's compaction): so does its
+        previous selection."""
+        self.previous = self._move(self.previous, jnp.int32(source), jnp.int32(target))
+
+    def select(self, positions, request_ids) -> jax.Array:
+        """positions i32[b] (-1 inactive), request_ids i32[b] of slots 0 .. b - 1 (b <= R) ->
+        this step's top-k i32[J, b, K].
+
+        The draws depend on (seed, request id, position) only: a request gets the same
+        selections whatever runs beside it (and whichever slot it runs in), so HiSparse and the
+        baseline stay token-identical."""
+        positions = jnp.asarray(positions, jnp.int32)
+        request_ids = jnp.asarray(request_ids, jnp.int32)
+        b = positions.shape[0]
+        current, shared, compared = self._step(self._key, self.previous[:, :b], positions, request_ids)
+        self.previous = self._put(self.previous, current)
+        self._shared, self._compared = self._shared + shared, self._compared + compared
+        return current
+
+    @property
+    def measured_overlap(self) -> float | None:
+        """Mean |S_t & S_t-1| / K over every full-to-full step so far; None before any."""
+        compared = self.compared_entries
+        return self.shared_entries / compared if compared else None
