@@ -90,6 +90,11 @@ class DSAModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     num_nextn_predict_layers: int = 0  # MTP layers stored after the model's layers; not loaded
+    # None: weights in the model dtype. (b0, b1): block FP8 (DeepSeek's FP8 checkpoints: float8_e4m3fn
+    # values, one f32 scale per b0 x b1 block of each [out, in] weight) for the linear layers and
+    # routed experts, kept fp8 on the device (models.common.fp8); kv_b_proj (absorbed into the
+    # queries), the indexer's weights_proj, the router, embeddings and lm_head stay in the model dtype.
+    weight_block_size: tuple[int, int] | None = None
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -128,6 +133,9 @@ class DSAModelConfig:
             raise ValueError(f"{self.topk_group=} must be <= {self.n_group=}")
         if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
             raise ValueError(f"{self.num_experts_per_tok=} exceeds the experts of {self.topk_group=} groups")
+        block = self.weight_block_size
+        if block is not None and (len(block) != 2 or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in block)):
+            raise ValueError(f"weight_block_size={block!r} must be None or two positive integers")
 
     # ---- derived sizes -------------------------------------------------------------------------
 
@@ -186,6 +194,8 @@ class DSAModelConfig:
         values["rope"] = RopeConfig(**values["rope"])
         for name in ("mlp_layer_types", "indexer_types"):
             values[name] = tuple(values[name])
+        if values.get("weight_block_size") is not None:
+            values["weight_block_size"] = tuple(values["weight_block_size"])
         return cls(**values)
 
     @classmethod

@@ -149,7 +149,7 @@ def test_fp8_block_quantized_checkpoint_is_dequantized(tmp_path):
             expected[name] = quant.astype(np.float32) * scale[rows[:, None], cols[None, :]]
     quantization = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
     directory = make_checkpoint(tmp_path, tensors, config_changes={"quantization_config": quantization})
-    model = load_hf_checkpoint(directory, dtype=jnp.float32)
+    model = load_hf_checkpoint(directory, dtype=jnp.float32, weights_dtype="float32")  # dequantised at load
     np.testing.assert_array_equal(model.layers[2].self_attn.kv_b_proj.weight[...], expected["model.layers.2.self_attn.kv_b_proj.weight"])
     np.testing.assert_array_equal(model.layers[1].mlp.experts.down_proj[3], expected["model.layers.1.mlp.experts.3.down_proj.weight"].T)
     np.testing.assert_array_equal(model.lm_head.weight[...], fixture_tensors()["lm_head.weight"])  # not quantised

@@ -28,17 +28,24 @@ from models.dsa.loading import load_hf_checkpoint
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 DEEPSEEK = os.path.join(FIXTURES, "deepseek_v32_tiny")
 GLM = os.path.join(FIXTURES, "glm_moe_dsa_tiny")
+# Block FP8 (16 x 16 blocks): its linear layers and experts stay fp8 on the device when loaded.
+DEEPSEEK_FP8 = os.path.join(FIXTURES, "deepseek_v32_tiny_fp8")
 RTOL = 1e-4  # relative to the largest |logit|, as the fixtures' README suggests
 # HiSparse sized just above top_k so decoding misses and evicts: (top_k, device_buffer_size).
-BUFFERS = {DEEPSEEK: (16, 24), GLM: (8, 10)}
+BUFFERS = {DEEPSEEK: (16, 24), GLM: (8, 10), DEEPSEEK_FP8: (16, 24)}
 
 
-@pytest.fixture(scope="module", params=[DEEPSEEK, GLM], ids=["deepseek_v32", "glm_moe_dsa"])
+@pytest.fixture(scope="module", params=[DEEPSEEK, GLM, DEEPSEEK_FP8], ids=["deepseek_v32", "glm_moe_dsa", "deepseek_v32_fp8"])
 def reference(request):
     """(fixture dir, golden outputs, float32 model loaded from its checkpoint)."""
     with np.load(os.path.join(request.param, "golden.npz")) as data:
         golden = dict(data)
-    return request.param, golden, load_hf_checkpoint(request.param, dtype=jnp.float32)
+    model = load_hf_checkpoint(request.param, dtype=jnp.float32)
+    if request.param == DEEPSEEK_FP8:  # the fp8 weights stay fp8: the matmuls dequantise per block
+        assert model.config.weight_block_size == (16, 16)
+        assert model.layers[1].mlp.experts.gate_proj.dtype == jnp.float8_e4m3fn
+        assert model.layers[0].self_attn.q_b_proj.weight.dtype == jnp.float8_e4m3fn
+    return request.param, golden, model
 
 
 @pytest.fixture(scope="module")

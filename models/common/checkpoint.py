@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from configs.model import UnsupportedModelError
+from models.common import fp8
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER_BYTES = 100 * 2**20
@@ -159,25 +160,41 @@ class _ParamSource:
     path: tuple  # the parameter's path in the model state
     hf_names: tuple[str, ...]  # one tensor, or one per routed expert (stacked)
     hf_shape: tuple[int, ...]  # shape of each checkpoint tensor
-    transpose: bool  # expert tensors are [out, in] in the checkpoint, [in, out] here
+    transpose: bool  # unquantised expert tensors are [out, in] in the checkpoint, [in, out] here
+    # "tensor": read in the parameter's dtype (FP8 tensors dequantised); "fp8": block FP8 values,
+    # kept as stored (quantised at load from an unquantised checkpoint); "scale": their
+    # weight_scale_inv (derived from the weight when the checkpoint has none).
+    kind: str = "tensor"
 
 
 def param_sources(abstract_state: dict, num_experts: int, *, head: str, expert_pattern: re.Pattern) -> list[_ParamSource]:
     """Which checkpoint tensors fill each parameter: `model.` + its path (the lm head, named
-    `head`, as is); parameters matching `expert_pattern` (groups: prefix, projection) stack one
-    [out, in] tensor per routed expert."""
+    `head`, as is); parameters matching `expert_pattern` (groups: prefix, projection, and
+    optionally `_scale_inv`) stack one tensor per routed expert, transposed to [in, out] unless
+    block FP8 (models.common.fp8: values and scales keep the checkpoint's [out, in])."""
     sources = []
     for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]:
         keys = tuple(p.key for p in path)
         dotted = ".".join(str(k) for k in keys)
         name = dotted if keys[0] == head else f"model.{dotted}"
+        scale = name.endswith(_SCALE_SUFFIX)
+        kind = "scale" if scale else "fp8" if np.dtype(leaf.dtype) in _FP8 else "tensor"
         if expert := expert_pattern.match(name):
-            prefix, proj = expert.groups()
-            names = tuple(f"{prefix}.{e}.{proj}.weight" for e in range(num_experts))
-            sources.append(_ParamSource(keys, names, tuple(reversed(leaf.shape[1:])), True))
+            prefix, proj, *suffix = expert.groups()
+            names = tuple(f"{prefix}.{e}.{proj}.weight{suffix[0] if suffix and suffix[0] else ''}" for e in range(num_experts))
+            if kind == "tensor":
+                sources.append(_ParamSource(keys, names, tuple(reversed(leaf.shape[1:])), True))
+            else:
+                sources.append(_ParamSource(keys, names, tuple(leaf.shape[1:]), False, kind))
         else:
-            sources.append(_ParamSource(keys, (name,), tuple(leaf.shape), False))
+            sources.append(_ParamSource(keys, (name,), tuple(leaf.shape), False, kind))
     return sources
+
+
+def derived_scale_names(sources: list[_ParamSource]) -> set[str]:
+    """Scale tensors a checkpoint may lack: an unquantised checkpoint loaded as block FP8 gets
+    its scales from quantising the weights at load."""
+    return {n for s in sources if s.kind == "scale" for n in s.hf_names}
 
 
 def _block_size(raw_config: dict) -> tuple[int, int] | None:
@@ -193,13 +210,12 @@ def _block_size(raw_config: dict) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-@jax.jit
-def _dequantize(weight: jax.Array, scale_inv: jax.Array) -> jax.Array:
-    """weight fp8[O, I], scale_inv f32[ceil(O/b0), ceil(I/b1)] -> f32[O, I]: each block times its scale."""
-    rows, cols = weight.shape
-    b0, b1 = -(-rows // scale_inv.shape[0]), -(-cols // scale_inv.shape[1])
-    scale = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), b0, axis=0), b1, axis=1)[:rows, :cols]
-    return weight.astype(jnp.float32) * scale
+@functools.partial(jax.jit, static_argnums=2)
+def _dequantize(weight: jax.Array, scale_inv: jax.Array, block: tuple[int, int] | None) -> jax.Array:
+    """weight fp8[O, I], scale_inv f32[ceil(O/b0), ceil(I/b1)] -> f32[O, I]: each block times its
+    scale. block: the checkpoint's weight_block_size (a partial last block makes it ambiguous from
+    the counts: DeepSeek-V3.2's kv_a_proj_with_mqa is 576 rows in 5 blocks of 128)."""
+    return fp8.dequantize(weight, scale_inv, jnp.float32, block)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -208,11 +224,29 @@ def _set_expert(stacked: jax.Array, expert: int, weight: jax.Array) -> jax.Array
     return stacked.at[expert].set(weight)
 
 
-def _tensor(checkpoint: Checkpoint, name: str, dtype, device) -> jax.Array:
+def _tensor(checkpoint: Checkpoint, name: str, dtype, device, block: tuple[int, int] | None = None) -> jax.Array:
+    """A checkpoint tensor on `device` in `dtype`; an FP8 one dequantised with its `block`s."""
     data = jax.device_put(checkpoint.read(name), device)
     if checkpoint.info(name).dtype in _FP8:
-        data = _dequantize(data, jax.device_put(checkpoint.read(name + _SCALE_SUFFIX), device))
+        data = _dequantize(data, jax.device_put(checkpoint.read(name + _SCALE_SUFFIX), device), block)
     return data.astype(dtype)
+
+
+def _source_tensor(checkpoint: Checkpoint, name: str, kind: str, dtype, block, device, checkpoint_block=None) -> jax.Array:
+    """One checkpoint tensor as the parameter kind wants it, in the checkpoint's [out, in]; block:
+    the model's weight_block_size (quantising at load), checkpoint_block the checkpoint's."""
+    if kind == "tensor":
+        return _tensor(checkpoint, name, dtype, device, checkpoint_block)
+    weight = name[: -len(_SCALE_SUFFIX)] if kind == "scale" else name
+    if checkpoint.info(weight).dtype in _FP8:  # kept as published (the model's block is the checkpoint's)
+        return jax.device_put(checkpoint.read(name), device)
+    values, scale = _quantize(_tensor(checkpoint, weight, jnp.float32, device), tuple(block))
+    return scale if kind == "scale" else values
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize(weight: jax.Array, block: tuple[int, int]):
+    return fp8.quantize(weight, block)
 
 
 def _read_raw_config(directory: str) -> dict[str, Any]:
@@ -226,17 +260,21 @@ def _read_raw_config(directory: str) -> dict[str, Any]:
         raise CheckpointError(f"{path}: unreadable ({error})") from None
 
 
-def load_model_from_checkpoint(directory, *, config_class, abstract_model, sources, check, dtype, device=None):
+def load_model_from_checkpoint(directory, *, config_class, abstract_model, sources, check, dtype, device=None, configure=None):
     """The loading loop every family shares: config.json -> `config_class`, the model's abstract
     structure, the family's plan of which checkpoint tensors fill which parameter
     (`sources(pure_params, config)`), its checks (`check(checkpoint, sources, config, block)`),
-    then each parameter read straight onto `device` in its target dtype."""
+    then each parameter read straight onto `device` in its target dtype (block FP8 parameters as
+    published, or quantised at load). configure(config, checkpoint block or None) -> the config
+    the model is built with (e.g. its weight_block_size)."""
     directory = os.fspath(directory)
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
     raw = _read_raw_config(directory)
     config = config_class.from_hf_config(raw)
     block = _block_size(raw)
+    if configure is not None:
+        config = configure(config, block)
     checkpoint = Checkpoint(directory)
     graphdef, abstract_state = nnx.split(abstract_model(config, dtype))
     pure = nnx.to_pure_dict(abstract_state)
@@ -244,18 +282,20 @@ def load_model_from_checkpoint(directory, *, config_class, abstract_model, sourc
     check(checkpoint, plan, config, block)
 
     device = device or jax.local_devices()[0]
+    model_block = getattr(config, "weight_block_size", None)
     for source in plan:
         node = pure
         for key in source.path[:-1]:
             node = node[key]
         target = node[source.path[-1]]
-        if source.transpose:
+        read = lambda name: _source_tensor(checkpoint, name, source.kind, target.dtype, model_block, device, block)  # noqa: E731
+        if len(target.shape) == len(source.hf_shape) + 1:  # one tensor per expert
             # Stacked on the device one expert at a time, in place: no host-side [E, ...] copy.
             value = jnp.zeros(target.shape, target.dtype, device=device)
             for e, name in enumerate(source.hf_names):
-                value = _set_expert(value, e, _tensor(checkpoint, name, target.dtype, device).T)
+                value = _set_expert(value, e, read(name).T if source.transpose else read(name))
         else:
-            value = _tensor(checkpoint, source.hf_names[0], target.dtype, device)
+            value = read(source.hf_names[0])
         node[source.path[-1]] = value
     nnx.replace_by_pure_dict(abstract_state, pure)
     return nnx.merge(graphdef, abstract_state)

@@ -2,8 +2,8 @@
 
 Letters: T tokens (any leading shape), I input features, O output features, F MLP intermediate.
 
-Weights keep Hugging Face's layout ([out, in] for linear layers) so a checkpoint tensor becomes a
-parameter without a transpose. Every matmul runs at Precision.HIGHEST: in float32 on a GPU the
+Weights keep Hugging Face's layout ([out, in] for linear layers, block-FP8 ones with their
+weight_scale_inv: models.common.fp8) so a checkpoint tensor becomes a parameter without a transpose. Every matmul runs at Precision.HIGHEST: in float32 on a GPU the
 default would use TF32 and flip the indexer's and router's discrete choices. Results come out in
 the operands' dtype (bf16 in a bf16 model, as torch's bf16 matmuls do); where the reference works
 in float32 (router, indexer scores, softmax) the operands are cast to float32 first.
@@ -11,14 +11,38 @@ in float32 (router, indexer scores, softmax) the operands are cast to float32 fi
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.common import fp8
+from pallas_kernels.grouped_matmul import fp8_matmul
+
 HIGHEST = jax.lax.Precision.HIGHEST
 einsum = functools.partial(jnp.einsum, precision=HIGHEST)
+
+# The grouped / fp8 matmul implementation the layers trace with (pallas_kernels.grouped_matmul's
+# `implementation=`; None: the best for the backend). Over a mesh the runners set "reference":
+# XLA partitions jax.lax.ragged_dot over sharded weights, a Pallas call would gather them whole.
+_MATMUL_IMPLEMENTATION: contextvars.ContextVar[str | None] = contextvars.ContextVar("matmul_implementation", default=None)
+
+
+@contextlib.contextmanager
+def matmul_implementation(implementation: str | None):
+    """Traces the layers inside with this grouped / fp8 matmul implementation."""
+    token = _MATMUL_IMPLEMENTATION.set(implementation)
+    try:
+        yield
+    finally:
+        _MATMUL_IMPLEMENTATION.reset(token)
+
+
+def current_matmul_implementation() -> str | None:
+    return _MATMUL_IMPLEMENTATION.get()
 
 
 def fan_in_normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, fan_in: int) -> nnx.Param:
@@ -27,15 +51,34 @@ def fan_in_normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype, fan_in: int) ->
 
 
 class Linear(nnx.Module):
-    """y = x W^T, no bias (no released DSA model has one)."""
+    """y = x W^T, no bias (no released DSA model has one).
 
-    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = fan_in_normal(rngs, (out_features, in_features), dtype, in_features)  # [O, I]
+    block None: weight [O, I] in `dtype`. block (b0, b1): block FP8, as DeepSeek's FP8 checkpoints
+    hold it: weight f8[O, I] and weight_scale_inv f32[O/b0, I/b1], multiplied by
+    pallas_kernels.grouped_matmul's fp8 matmul, whose result equals the dequantised weight's
+    (models.common.fp8.dequantize, cast to `dtype`).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, block: tuple[int, int] | None = None):
+        self.dtype = dtype  # the activations' and results' dtype (fp8 weights are dequantised to it)
+        if block is None:
+            self.weight = fan_in_normal(rngs, (out_features, in_features), dtype, in_features)  # [O, I]
+            self.weight_scale_inv = None
+            return
+        values, scale = fp8.random_fp8(rngs.params(), (out_features, in_features), in_features, block)
+        self.weight = nnx.Param(values)  # f8[O, I]
+        self.weight_scale_inv = nnx.Param(scale)  # f32[O/b0, I/b1]
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        # x: [..., I] -> [..., O] in the weight's dtype
+        # x: [..., I] -> [..., O] in the layer's dtype
         weight = self.weight[...]
-        return einsum("...i,oi->...o", x.astype(weight.dtype), weight)
+        if self.weight_scale_inv is None:
+            return einsum("...i,oi->...o", x.astype(weight.dtype), weight)
+        lead = x.shape[:-1]
+        y = fp8_matmul(
+            x.reshape(-1, x.shape[-1]).astype(self.dtype), weight, self.weight_scale_inv[...], implementation=current_matmul_implementation()
+        )  # [T, O]
+        return y.reshape(*lead, y.shape[-1])
 
 
 class RMSNorm(nnx.Module):
@@ -72,10 +115,11 @@ class LayerNorm(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU feed-forward: the dense layers' MLP and the MoE's shared experts."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs):
-        self.gate_proj = Linear(hidden_size, intermediate_size, dtype=dtype, rngs=rngs)  # [F, I]
-        self.up_proj = Linear(hidden_size, intermediate_size, dtype=dtype, rngs=rngs)  # [F, I]
-        self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, rngs=rngs)  # [I, F]
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs, block: tuple[int, int] | None = None):
+        linear = functools.partial(Linear, dtype=dtype, rngs=rngs, block=block)
+        self.gate_proj = linear(hidden_size, intermediate_size)  # [F, I]
+        self.up_proj = linear(hidden_size, intermediate_size)  # [F, I]
+        self.down_proj = linear(intermediate_size, hidden_size)  # [I, F]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         # x: [..., I] -> [..., I]

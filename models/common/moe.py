@@ -17,7 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from configs.model import DSAModelConfig
-from models.common.layers import HIGHEST, MLP, einsum, fan_in_normal
+from models.common import fp8
+from models.common.layers import MLP, current_matmul_implementation, einsum, fan_in_normal
+from pallas_kernels.grouped_matmul import grouped_matmul
 
 
 class Router(nnx.Module):
@@ -49,16 +51,30 @@ class Router(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Routed expert weights stacked per expert, stored [in, out] for `ragged_dot`.
+    """Routed expert weights stacked per expert, stored [in, out] for the grouped matmul.
 
-    Checkpoints hold one [out, in] tensor per expert; the loader stacks and transposes them.
+    Checkpoints hold one [out, in] tensor per expert; the loader stacks and transposes them. With
+    config.weight_block_size (b0, b1) they are block FP8 and keep the checkpoint's layout: f8
+    values [E, out, in] and `<name>_scale_inv` f32[E, out/b0, in/b1] (each expert's
+    weight_scale_inv, stacked), multiplied with transpose_rhs (what tokamax's fp8 kernel reads).
     """
 
     def __init__(self, config: DSAModelConfig, *, dtype, rngs: nnx.Rngs):
         E, D, F = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-        self.gate_proj = fan_in_normal(rngs, (E, D, F), dtype, D)  # [E, D, F]
-        self.up_proj = fan_in_normal(rngs, (E, D, F), dtype, D)  # [E, D, F]
-        self.down_proj = fan_in_normal(rngs, (E, F, D), dtype, F)  # [E, F, D]
+        self.dtype = dtype  # the activations' dtype
+        block = config.weight_block_size
+        for name, (fan_in, fan_out) in (("gate_proj", (D, F)), ("up_proj", (D, F)), ("down_proj", (F, D))):
+            if block is None:
+                setattr(self, name, fan_in_normal(rngs, (E, fan_in, fan_out), dtype, fan_in))  # [E, in, out]
+                setattr(self, f"{name}_scale_inv", None)
+            else:
+                values, scale = fp8.random_fp8(rngs.params(), (E, fan_out, fan_in), fan_in, block)
+                setattr(self, name, nnx.Param(values))  # f8[E, out, in]
+                setattr(self, f"{name}_scale_inv", nnx.Param(scale))  # f32[E, out/b0, in/b1]
+
+    def _weight(self, name: str) -> tuple[jax.Array, jax.Array | None]:
+        scale = getattr(self, f"{name}_scale_inv")
+        return getattr(self, name)[...], None if scale is None else scale[...]
 
     def __call__(self, x: jax.Array, weights: jax.Array, experts: jax.Array) -> jax.Array:
         """x [T, D], weights f32[T, X], experts i32[T, X] -> [T, D]: sum of weighted expert outputs."""
@@ -68,14 +84,16 @@ class Experts(nnx.Module):
         order = jnp.argsort(experts.reshape(-1), stable=True)  # i32[M]
         token = order // X  # i32[M]: token of each sorted assignment
         group_sizes = jnp.bincount(experts.reshape(-1), length=E).astype(jnp.int32)  # i32[E]
-        dtype = self.gate_proj.dtype
-        xs = x[token].astype(dtype)  # [M, D]
+        xs = x[token].astype(self.dtype)  # [M, D]
 
-        def grouped(lhs, rhs):
-            return jax.lax.ragged_dot(lhs, rhs, group_sizes, precision=HIGHEST)
+        def grouped(lhs, name):
+            rhs, scale = self._weight(name)
+            return grouped_matmul(
+                lhs, rhs, group_sizes, rhs_scale=scale, transpose_rhs=scale is not None, implementation=current_matmul_implementation()
+            )
 
-        h = jax.nn.silu(grouped(xs, self.gate_proj[...])) * grouped(xs, self.up_proj[...])  # [M, F]
-        out = grouped(h, self.down_proj[...]).astype(jnp.float32)  # f32[M, D]
+        h = jax.nn.silu(grouped(xs, "gate_proj")) * grouped(xs, "up_proj")  # [M, F]
+        out = grouped(h, "down_proj").astype(jnp.float32)  # f32[M, D]
         out = out * weights.reshape(-1)[order][:, None]
         # Back to (token, choice) order, then a fixed-order sum over the X choices. A scatter-add
         # into [T, D] would sum in whatever order the GPU's atomics land: on the H200 two
@@ -89,7 +107,8 @@ class MoE(nnx.Module):
         self.gate = Router(config, rngs=rngs)
         self.experts = Experts(config, dtype=dtype, rngs=rngs)
         shared = config.moe_intermediate_size * config.n_shared_experts
-        self.shared_experts = MLP(config.hidden_size, shared, dtype=dtype, rngs=rngs) if shared else None
+        block = config.weight_block_size
+        self.shared_experts = MLP(config.hidden_size, shared, dtype=dtype, rngs=rngs, block=block) if shared else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [T, D] -> [T, D]."""

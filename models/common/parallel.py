@@ -12,9 +12,12 @@ Weights keep the Hugging Face [out, in] layout (models/common/layers.py); expert
 
 from __future__ import annotations
 
+import math
 import re
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -40,12 +43,28 @@ def param_spec(path: str, parallel: ParallelConfig) -> P:
     return P()
 
 
+def _block_fp8_spec(name: str, leaf, parallel: ParallelConfig, mesh: Mesh) -> P:
+    """Block-FP8 experts keep the checkpoint's [E, out, in] (the rules above are for [E, in, out]):
+    the same split on the swapped axes; a `*_scale_inv` is split as its weight where its block
+    count divides, else replicated."""
+    weight = name[: -len("_scale_inv")] if name.endswith("_scale_inv") else name
+    spec = param_spec(weight, parallel)
+    if ".experts." in f"{weight}." and len(spec) == 3:
+        spec = P(spec[0], spec[2], spec[1])
+    for axis, names in enumerate(spec):
+        if names is not None and leaf.shape[axis] % math.prod(mesh.shape[n] for n in (names if isinstance(names, tuple) else (names,))):
+            return P()
+    return spec
+
+
 def shard_params(params: nnx.State, mesh: Mesh, parallel: ParallelConfig) -> nnx.State:
     """Places every parameter of `params` (from nnx.split) on `mesh` by the rules above."""
 
     def place(path, leaf):
         keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]  # drops the Variable's `.value`
         name = ".".join(map(str, keys))
+        if name.endswith("_scale_inv") or np.dtype(leaf.dtype) == np.dtype(jnp.float8_e4m3fn):
+            return jax.device_put(leaf, NamedSharding(mesh, _block_fp8_spec(name, leaf, parallel, mesh)))
         return jax.device_put(leaf, NamedSharding(mesh, param_spec(name, parallel)))
 
     return jax.tree_util.tree_map_with_path(place, params)

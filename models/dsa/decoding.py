@@ -36,6 +36,7 @@ from hisparse_jax.paged_state import PagedHiSparseState
 from hisparse_jax.row_layout import KVRowLayout
 from hisparse_jax.state import FullKVState, HiSparseState, state_shardings
 from models.common import rope
+from models.common.layers import current_matmul_implementation, matmul_implementation
 from models.dsa.indexer import decode_topk, dequantize_keys, index_key_dtype, is_fp8, quantize_keys
 from models.dsa.model import DecoderLayer, DSAForCausalLM
 
@@ -195,8 +196,18 @@ def decode_step(
     docs/architecture.md). defer_backup=False
     backs each row up in its own layer (the earlier behaviour; it forces prefetch "off": the
     in-place pool writes would sit between the prefetches and their layers). Over a mesh the
-    layers keep their in-line replay and per-layer backup.
+    layers keep their in-line replay and per-layer backup, and the MoE and fp8 matmuls their
+    XLA reference (partitioned over the mesh; models.common.layers.matmul_implementation).
     """
+    matmul = "reference" if mesh is not None else current_matmul_implementation()
+    with matmul_implementation(matmul):
+        return _decode_step(
+            graphdef, params, cache, tokens, positions, topk, implementation=implementation, mesh=mesh,
+            shared_prefetch=shared_prefetch, defer_backup=defer_backup,
+        )  # fmt: skip
+
+
+def _decode_step(graphdef, params, cache, tokens, positions, topk, *, implementation, mesh, shared_prefetch, defer_backup):
     model: DSAForCausalLM = nnx.merge(graphdef, params)
     config = model.config
     kv, index_keys, key_scales = cache.kv, cache.index_keys, cache.index_key_scales

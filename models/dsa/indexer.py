@@ -32,8 +32,9 @@ class Indexer(nnx.Module):
         self.head_dim = config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.interleaved = config.indexer_rope_interleave
-        self.wq_b = Linear(config.q_lora_rank, self.num_heads * self.head_dim, dtype=dtype, rngs=rngs)  # [G*I, Q]
-        self.wk = Linear(config.hidden_size, self.head_dim, dtype=dtype, rngs=rngs)  # [I, D]
+        block = config.weight_block_size
+        self.wq_b = Linear(config.q_lora_rank, self.num_heads * self.head_dim, dtype=dtype, rngs=rngs, block=block)  # [G*I, Q]
+        self.wk = Linear(config.hidden_size, self.head_dim, dtype=dtype, rngs=rngs, block=block)  # [I, D]
         self.k_norm = LayerNorm(self.head_dim, eps=1e-6, dtype=dtype)  # eps fixed in the reference
         # transformers keeps weights_proj in float32 whatever the model dtype.
         self.weights_proj = Linear(config.hidden_size, self.num_heads, dtype=jnp.float32, rngs=rngs)  # [G, D]

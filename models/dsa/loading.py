@@ -11,9 +11,11 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from configs.model import DSAModelConfig
+from models.common import fp8
 from models.common.checkpoint import (
     _FP8,
     _SCALE_SUFFIX,
@@ -21,12 +23,13 @@ from models.common.checkpoint import (
     CheckpointError,
     _names,
     _ParamSource,
+    derived_scale_names,
     load_model_from_checkpoint,
     param_sources,
 )
 from models.dsa.model import DSAForCausalLM
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)(_scale_inv)?$")
 
 
 def _sources(abstract_state: dict, config: DSAModelConfig) -> list[_ParamSource]:
@@ -46,6 +49,8 @@ def _check(checkpoint: Checkpoint, sources: list[_ParamSource], config: DSAModel
     present = checkpoint.names()
     expected = {n for s in sources for n in s.hf_names}
     scales = {n + _SCALE_SUFFIX for n in expected if n + _SCALE_SUFFIX in present}
+    derived = derived_scale_names(sources) - present  # an unquantised checkpoint's, made at load
+    expected -= derived
     if missing := expected - present:
         raise CheckpointError(f"checkpoint {checkpoint.directory} lacks {len(missing)} tensor(s) the model needs: {_names(missing)}")
     if unexpected := {n for n in present - expected - scales if not _ignorable(n, config)}:
@@ -55,7 +60,8 @@ def _check(checkpoint: Checkpoint, sources: list[_ParamSource], config: DSAModel
         )
     wrong = [
         f"{n}: checkpoint {checkpoint.info(n).shape}, model {s.hf_shape}"
-        for s in sources for n in s.hf_names if checkpoint.info(n).shape != s.hf_shape
+        for s in sources for n in s.hf_names
+        if n in expected and not n.endswith(_SCALE_SUFFIX) and checkpoint.info(n).shape != s.hf_shape  # scales: below
     ]  # fmt: skip
     if wrong:
         raise CheckpointError(f"{len(wrong)} tensor shape(s) differ from config.json: {'; '.join(wrong[:6])}")
@@ -76,12 +82,35 @@ def abstract_model(config: DSAModelConfig, dtype) -> DSAForCausalLM:
     return nnx.eval_shape(lambda: DSAForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
-def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.bfloat16, device: jax.Device | None = None) -> DSAForCausalLM:
+def weight_block(weights_dtype: str, checkpoint_block: tuple[int, int] | None, dtype) -> tuple[int, int] | None:
+    """The model's weight_block_size for `weights_dtype` (models.common.fp8.WEIGHTS_DTYPES):
+    "auto" keeps the checkpoint's own format (block FP8 stays FP8), "fp8_e4m3" block FP8 (the
+    checkpoint's blocks, or 128 x 128 quantised at load), the model dtype's name dequantises."""
+    if weights_dtype == "auto":
+        return checkpoint_block
+    if weights_dtype == "fp8_e4m3":
+        return checkpoint_block or fp8.DEFAULT_BLOCK
+    if weights_dtype == np.dtype(dtype).name:
+        return None
+    raise ValueError(
+        f"weights_dtype {weights_dtype!r} must be one of auto, fp8_e4m3 or the model dtype ({np.dtype(dtype).name})"
+    )
+
+
+def load_hf_checkpoint(
+    directory: str | os.PathLike, *, dtype=jnp.bfloat16, device: jax.Device | None = None, weights_dtype: str = "auto"
+) -> DSAForCausalLM:
     """A Hugging Face checkpoint directory -> DSAForCausalLM with params in `dtype`.
 
-    The router and the indexer's weights_proj stay float32 whatever `dtype`, as in transformers.
+    weights_dtype: "auto" (default) keeps an FP8 checkpoint's linear layers and experts in block
+    FP8 on the device (config.weight_block_size; their products equal the dequantised weights'),
+    "fp8_e4m3" makes them block FP8 whatever the checkpoint holds, `dtype`'s name dequantises
+    everything at load. The router and the indexer's weights_proj stay float32 whatever `dtype`,
+    as in transformers.
     """
+    weight_block(weights_dtype, None, dtype)  # a ValueError for an unknown name, before any file is read
     return load_model_from_checkpoint(
         directory, config_class=DSAModelConfig, abstract_model=abstract_model, sources=_sources, check=_check,
         dtype=dtype, device=device,
+        configure=lambda config, block: config.replace(weight_block_size=weight_block(weights_dtype, block, dtype)),
     )  # fmt: skip

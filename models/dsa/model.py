@@ -40,7 +40,7 @@ class DecoderLayer(nnx.Module):
         if config.mlp_layer_types[layer] == "sparse":
             self.mlp = MoE(config, dtype=dtype, rngs=rngs)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs, block=config.weight_block_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 

@@ -28,6 +28,7 @@ from hisparse_jax.attention_layer import shared_prefetch_mode
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.kv_cache_ops import begin_request, store_prefill_rows
 from hisparse_jax.state import state_shardings
+from models.common.layers import matmul_implementation
 from models.common.parallel import shard_params
 from models.common.runner import DEFAULT_PREFILL_CHUNK, PrefillJob, padded_prompt_length
 from models.dsa.decoding import (
@@ -53,9 +54,10 @@ class PrefilledKV(NamedTuple):
     index_key_scales: tuple = ()  # f32[Tp] per full-indexer layer with fp8 keys; () otherwise
 
 
-def _prefill_layer(graphdef, params, h, anchor_topk, *, chunk, key_dtype):
+def _prefill_layer(graphdef, params, h, anchor_topk, *, chunk, key_dtype, matmul=None):
     layer: DecoderLayer = nnx.merge(graphdef, params)
-    return layer.prefill(h, anchor_topk, chunk=chunk, key_dtype=key_dtype)
+    with matmul_implementation(matmul):  # "reference" over a mesh (decoding.decode_step says why)
+        return layer.prefill(h, anchor_topk, chunk=chunk, key_dtype=key_dtype)
 
 
 def _store_index_keys(cache_keys, j, request, keys, key_scales, prompt_len):
@@ -111,7 +113,9 @@ class ModelRunner:
             self.params = shard_params(self.params, self.mesh, parallel)
         # Per-layer views of the same parameter arrays, for the layer-by-layer prefill.
         self._layers = [(nnx.split(layer)[0], self.params["layers"][l]) for l, layer in enumerate(model.layers)]
-        self._prefill_layer = jax.jit(_prefill_layer, static_argnames=("graphdef", "chunk", "key_dtype"))
+        self._prefill_layer = jax.jit(
+            functools.partial(_prefill_layer, matmul=None if self.mesh is None else "reference"), static_argnames=("graphdef", "chunk", "key_dtype")
+        )
         self._embed = jax.jit(lambda params, tokens: nnx.merge(self.graphdef, params).embed_tokens(tokens))
         self._logits = jax.jit(lambda params, h: nnx.merge(self.graphdef, params).logits(h))
         self._cache_fns = {}  # per KV state type: jits whose outputs keep the host pool pinned

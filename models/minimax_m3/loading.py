@@ -205,16 +205,16 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.bfloat16, devi
             node = node[key]
         target = node[keys[-1]]
         if kind == "plain":
-            value = _tensor(checkpoint, source, target.dtype, device)
+            value = _tensor(checkpoint, source, target.dtype, device, block)
         elif kind == "concat":
-            value = jnp.concatenate([_tensor(checkpoint, n, target.dtype, device) for n in source], axis=0)
+            value = jnp.concatenate([_tensor(checkpoint, n, target.dtype, device, block) for n in source], axis=0)
         elif kind == "packed_experts":  # [E, out, in] -> [E, in, out]
-            value = jnp.swapaxes(_tensor(checkpoint, source, target.dtype, device), 1, 2)
+            value = jnp.swapaxes(_tensor(checkpoint, source, target.dtype, device, block), 1, 2)
         else:  # one expert at a time into the stacked [E, in, out] array, on the device
             value = jnp.zeros(target.shape, target.dtype, device=device)
             for e, names in enumerate(source):
                 names = names if isinstance(names, tuple) else (names,)
-                weight = jnp.concatenate([_tensor(checkpoint, n, target.dtype, device) for n in names], axis=0)
+                weight = jnp.concatenate([_tensor(checkpoint, n, target.dtype, device, block) for n in names], axis=0)
                 value = _set_expert(value, e, weight.T)
         node[keys[-1]] = value
     nnx.replace_by_pure_dict(abstract_state, pure)

@@ -1,0 +1,258 @@
+"""The decode step against the weight-bandwidth roofline (issue 20): the MoE's grouped GEMMs at one
+EP8 rank's shapes, and the whole decode step of the serving benchmark's model vs running requests.
+
+    python benchmarks/bench_step.py --out=$OUT          # H200, one call (~5 min)
+    python benchmarks/bench_step.py --smoke --out=/tmp/bench_step   # CPU, tiny sizes
+
+MoE: the routed experts of one EP8 rank (32 of 256 experts, top-8, uniform random routing over
+the 32; DeepSeek-V3.2: hidden 7168, moe_intermediate 2048; GLM-5.1: 6144, 2048) as the model runs
+them (models.common.moe.Experts: sort by expert, gate / up / down grouped matmuls, weighted sum),
+bf16 and block-FP8 weights, for each implementation of pallas_kernels.grouped_matmul; every
+output checked against the XLA reference on the same inputs (relative error). Device busy time per
+call from the profiler (benchmarks/device_timing.py), median of --calls; floor = the touched
+experts' weight bytes (+ fp8 scales) / 4.8 TB/s.
+
+Step: the serving benchmark's model (benchmarks/helpers.bench_model_config: 4 layers, 16 experts,
+DeepSeek-V3.2 attention, random weights), HiSparse with fp8 KV and SYNTHETIC 32k contexts
+(random KV written straight into the host pool, SYNTHETIC 0.9-overlap selection), one engine
+whose batch buckets are the --running sizes; per size, --steps timed decode steps after
+--warm_steps (ITL: StepRecord durations, median and spread). At the largest size a profiler trace
+of the timed steps gives the GPU's idle share: 1 - (kernel time, overlaps merged) / (the window
+from the first to the last step's swap-in plan).
+
+Writes $OUT/bench_step.json: "moe": [{model, tokens, weights_dtype, implementation, us, floor_us,
+ratio, max_rel_err, ...}], "step": [{running, ms, ...}], "host_idle_fraction", and step_time.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+PARSER = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+PARSER.add_argument("--out", default=os.environ.get("OUT", "outputs/bench_step"))
+PARSER.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (the script runs end to end)")
+PARSER.add_argument("--sections", default="moe,step")
+PARSER.add_argument("--tokens", default="1,8,24,64,88,128,256")
+PARSER.add_argument("--moe_models", default="deepseek_v32,glm_5_1")
+PARSER.add_argument("--calls", type=int, default=10)
+PARSER.add_argument("--running", default="1,4,16,24,64,88")
+PARSER.add_argument("--context", type=int, default=32768)
+PARSER.add_argument("--num_layers", type=int, default=4)
+PARSER.add_argument("--num_experts", type=int, default=16)
+PARSER.add_argument("--weights_dtype", default="bfloat16", help="the step model's weights: bfloat16 or fp8_e4m3")
+PARSER.add_argument("--warm_steps", type=int, default=3)
+PARSER.add_argument("--steps", type=int, default=10)
+PARSER.add_argument("--overlap", type=float, default=0.9)
+PARSER.add_argument("--time_budget_s", type=float, default=480.0)
+ARGS = PARSER.parse_args()
+os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "100")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from benchmarks import device_timing  # noqa: E402
+from benchmarks.helpers import T0, attempt, bench_model_config, log, stats, write_json  # noqa: E402
+from configs.model import DSAModelConfig  # noqa: E402
+from hisparse_jax.config import HiSparseConfig  # noqa: E402
+from models.common.layers import matmul_implementation  # noqa: E402
+from models.common.moe import Experts  # noqa: E402
+from models.dsa.model import DSAForCausalLM  # noqa: E402
+from models.dsa.runner import ModelRunner  # noqa: E402
+from pallas_kernels.grouped_matmul import tokamax_mosaic  # noqa: E402
+from serving.engine import Engine, EngineConfig  # noqa: E402
+from serving.workload import Request  # noqa: E402
+
+HBM_BYTES_PER_S = 4.8e12  # the H200's datasheet HBM bandwidth: the floor the issue states
+RESULTS: dict = {"args": vars(ARGS), "device": None, "moe": [], "step": [], "host_idle_fraction": None, "errors": []}
+
+
+def save():
+    write_json(os.path.join(ARGS.out, "bench_step.json"), RESULTS)
+
+
+def over_budget() -> bool:
+    return time.perf_counter() - T0 > ARGS.time_budget_s
+
+
+# ---- MoE ------------------------------------------------------------------------------------------
+
+
+def rank_config(name: str, block) -> DSAModelConfig:
+    """One EP8 rank's experts of a released model: 32 local experts, top-8."""
+    if ARGS.smoke:
+        return DSAModelConfig.tiny().replace(weight_block_size=None if block is None else (16, 16))
+    base = DSAModelConfig.deepseek_v32() if name == "deepseek_v32" else DSAModelConfig.glm_5_1()
+    return base.replace(n_routed_experts=32, n_group=1, topk_group=1, weight_block_size=block)
+
+
+def moe_floor_us(config: DSAModelConfig, touched: int, fp8: bool) -> float:
+    D, F = config.hidden_size, config.moe_intermediate_size
+    weights = 3 * D * F * (1 if fp8 else 2)
+    scales = 0 if not fp8 else 3 * 4 * -(-D // config.weight_block_size[1]) * -(-F // config.weight_block_size[0])
+    return touched * (weights + scales) / HBM_BYTES_PER_S * 1e6
+
+
+def moe_case(model_name: str, weights_dtype: str):
+    fp8 = weights_dtype == "fp8_e4m3"
+    config = rank_config(model_name, (128, 128) if fp8 else None)
+    experts = Experts(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(experts)
+    E, X = config.n_routed_experts, config.num_experts_per_tok
+    impls = ["reference", "pallas"] + (["tokamax"] if tokamax_mosaic.available() and not ARGS.smoke else [])
+
+    def run(impl):
+        def f(params, x, w, ids):
+            with matmul_implementation(impl):
+                return nnx.merge(graphdef, params)(x, w, ids)
+
+        return jax.jit(f)
+
+    fns = {impl: run(impl) for impl in impls}
+    for T in [int(t) for t in ARGS.tokens.split(",")]:
+        if over_budget():
+            RESULTS["errors"].append(f"moe {model_name} {weights_dtype} T={T}: skipped, over --time_budget_s")
+            return
+        k1, k2, k3 = jax.random.split(jax.random.key(T), 3)
+        x = jax.random.normal(k1, (T, config.hidden_size), jnp.float32).astype(jnp.bfloat16)  # bf16[T, D]
+        ids = jnp.argsort(jax.random.uniform(k2, (T, E)), axis=1)[:, :X].astype(jnp.int32)  # i32[T, X]: distinct experts
+        w = jax.nn.softmax(jax.random.normal(k3, (T, X)), axis=-1)  # f32[T, X]
+        touched = int(np.unique(np.asarray(ids)).size)
+        floor = moe_floor_us(config, touched, fp8)
+        ref = np.asarray(fns["reference"](params, x, w, ids), np.float32)
+        for impl in impls:
+            def one(impl=impl):
+                out = np.asarray(fns[impl](params, x, w, ids), np.float32)
+                err = float(np.max(np.abs(out - ref)) / max(float(np.max(np.abs(ref))), 1e-6))
+                events, _ = device_timing.record(lambda: fns[impl](params, x, w, ids).block_until_ready(), ARGS.calls)
+                busy = device_timing.busy_per_call(events, ARGS.calls)
+                row = dict(model=model_name, tokens=T, weights_dtype=weights_dtype, implementation=impl, touched_experts=touched,
+                           floor_us=floor, max_rel_err=err, **device_timing.summary(busy, "busy"))  # fmt: skip
+                row["us"] = row.get("busy_us")
+                row["ratio"] = None if row["us"] is None else row["us"] / floor
+                RESULTS["moe"].append(row)
+                log(f"moe {model_name} {weights_dtype} T={T} {impl}: {row['us']} us (floor {floor:.0f}, x{row['ratio'] or 0:.2f}) err {err:.1e}")
+
+            attempt(RESULTS["errors"], f"moe {model_name} {weights_dtype} T={T} {impl}", one)
+        save()
+
+
+# ---- the whole step -------------------------------------------------------------------------------
+
+
+def window_idle_fraction(events, num_layers: int, first_step: int) -> dict:
+    """GPU idle share over the decode steps from `first_step` on: the window runs from that
+    step's first swap-in plan to the last step's first plan; kernel intervals merged."""
+    plans = [e for e in events if "swap_in_plan" in e.name]
+    starts = [plans[i].start_ns for i in range(0, len(plans), num_layers)]
+    if len(starts) < first_step + 2:
+        return {"error": f"{len(starts)} steps seen in the trace"}
+    lo, hi = starts[first_step], starts[-1]
+    spans = sorted((max(e.start_ns, lo), min(e.start_ns + e.duration_ns, hi)) for e in events if e.start_ns < hi and e.start_ns + e.duration_ns > lo)
+    busy, end = 0.0, lo
+    for s, t in spans:
+        s = max(s, end)
+        if t > s:
+            busy += t - s
+            end = t
+    return {"window_ms": (hi - lo) / 1e6, "busy_ms": busy / 1e6, "idle_fraction": 1.0 - busy / (hi - lo), "steps": len(starts) - 1 - first_step}
+
+
+def step_section():
+    block = (128, 128) if ARGS.weights_dtype == "fp8_e4m3" else None
+    config = bench_model_config(smoke=ARGS.smoke, num_layers=ARGS.num_layers, num_experts=ARGS.num_experts)
+    config = config.replace(weight_block_size=None if block is None else ((16, 16) if ARGS.smoke else block))
+    context = 256 if ARGS.smoke else ARGS.context
+    sizes = [int(r) for r in ARGS.running.split(",")]
+    if ARGS.smoke:
+        sizes = [s for s in sizes if s <= 4] or [1]
+    R = max(sizes)
+    log(f"step: building the model ({config.num_layers} layers, {config.n_routed_experts} experts, weights {ARGS.weights_dtype})")
+    model = DSAForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    runner = ModelRunner(model, kv_cache_dtype="fp8_e4m3" if not ARGS.smoke else "auto")
+    top_k = config.index_topk
+    hisparse = HiSparseConfig(top_k=top_k, device_buffer_size=2 * top_k, host_to_device_ratio=2)
+    new_tokens = ARGS.warm_steps + ARGS.steps + 1
+    engine_config = EngineConfig(
+        max_running_requests=R, context_length=context + new_tokens, hisparse=hisparse, synthetic_context=True,
+        synthetic_topk_overlap=ARGS.overlap, batch_buckets=tuple(sizes),
+        num_host_pages=R * -(-(context + new_tokens) // 16),
+    )  # fmt: skip
+    engine = Engine(runner, engine_config)
+    engine.compile_buckets()
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, config.vocab_size, context).astype(np.int32)
+    for n in sizes:
+        if over_budget():
+            RESULTS["errors"].append(f"step running={n}: skipped, over --time_budget_s")
+            break
+        requests = [Request(i, prompt, new_tokens) for i in range(n)]
+        trace = n == R and not ARGS.smoke
+        if trace:
+            events, _ = device_timing.record(lambda: engine.run(requests), 1)
+            result = engine.last_result if hasattr(engine, "last_result") else None
+            RESULTS["host_idle"] = window_idle_fraction(events, config.num_layers, ARGS.warm_steps)
+            RESULTS["host_idle_fraction"] = RESULTS["host_idle"].get("idle_fraction")
+            result = engine.run(requests)  # the timed run, untraced
+        else:
+            result = engine.run(requests)
+        durations = [s.step_s * 1e3 for s in result.steps[ARGS.warm_steps :]]
+        row = dict(running=n, ms=float(np.median(durations)), **{f"ms_{k}": v for k, v in stats(durations).items()})
+        RESULTS["step"].append(row)
+        log(f"step running={n}: {row['ms']:.2f} ms")
+        save()
+
+
+def plot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    if not RESULTS["step"]:
+        return
+    x = [r["running"] for r in RESULTS["step"]]
+    y = [r["ms"] for r in RESULTS["step"]]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(x, y, "o-", label="decode step (median)")
+    ax.axhline(1.3 * y[0], color="gray", ls="--", label="1.3 x the step at 1 running")
+    ax.set_xlabel("running requests")
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"bench model step time vs running ({RESULTS['device']}, {ARGS.weights_dtype} weights)", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(ARGS.out, "step_time.png"), dpi=120)
+    plt.close(fig)
+
+
+def main():
+    RESULTS["device"] = str(jax.devices()[0].device_kind)
+    log(f"jax {jax.__version__} on {jax.devices()}; tokamax {'available' if tokamax_mosaic.available() else 'absent'}")
+    sections = ARGS.sections.split(",")
+    if "moe" in sections:
+        models = ["tiny"] if ARGS.smoke else ARGS.moe_models.split(",")
+        for name in models:
+            for dtype in ("bfloat16", "fp8_e4m3"):
+                attempt(RESULTS["errors"], f"moe {name} {dtype}", lambda name=name, dtype=dtype: moe_case(name, dtype))
+    if "step" in sections:
+        attempt(RESULTS["errors"], "step", step_section)
+    save()
+    plot()
+    log("done; errors:", len(RESULTS["errors"]))
+    for row in RESULTS["moe"]:
+        print(f"{row['model']:>12} {row['weights_dtype']:>9} T={row['tokens']:>3} {row['implementation']:>9} "
+              f"{row['us'] or 0:8.1f} us floor {row['floor_us']:7.1f} x{row['ratio'] or 0:5.2f} err {row['max_rel_err']:.1e}")  # fmt: skip
+    for row in RESULTS["step"]:
+        print(f"step running={row['running']:>3}: {row['ms']:.2f} ms")
+    print("host idle fraction:", RESULTS["host_idle_fraction"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Grouped (ragged) matmul for MoE experts and the fp8 weights' dense matmul, behind one
+`implementation=` switch.
+
+    out = grouped_matmul(lhs, rhs, group_sizes)                                 # jax.lax.ragged_dot's semantics
+    out = grouped_matmul(lhs, values, group_sizes, rhs_scale=s, transpose_rhs=True)  # block-FP8 experts
+    y = fp8_matmul(x, values, scale)                                            # x @ dequantize(values, scale)^T
+
+lhs [M, K] holds the token-expert assignments sorted by expert: group g owns group_sizes[g] rows
+after those of the groups before it; out[m] = lhs[m] @ rhs[g] for its rows; rows past
+sum(group_sizes) are 0. rhs [G, K, N] in the activations' dtype, or with transpose_rhs [G, N, K]
+(the checkpoint's [out, in], in which block-FP8 weights stay); fp8 rhs are float8_e4m3fn with one
+f32 scale per block (DeepSeek's `weight_scale_inv`: [G, N/bn_s, K/bk_s] transposed,
+[G, K/bk_s, N/bn_s] otherwise). fp8_matmul's w is [N, K] (a linear layer's [out, in]).
+
+implementation:
+  "reference"  reference.py: jax.lax.ragged_dot / einsum over the weights dequantised to the
+               activations' dtype (what an fp8 model computes with its weights dequantised at
+               load); also what runs over a mesh, where XLA partitions it;
+  "pallas"     pallas_triton.py, the weight-streaming kernel (compiled on a GPU, interpret mode
+               elsewhere; `config=` a TritonConfig);
+  "tokamax"    tokamax_mosaic.py, tokamax's Mosaic GPU kernels (GPU only; fp8 needs transpose_rhs);
+  None         on a GPU: bf16 "pallas", fp8 "tokamax" where tokamax imports (else "pallas");
+               elsewhere "reference". A named implementation runs or raises; it never falls back.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import common
+from pallas_kernels.common import check_rank
+from pallas_kernels.grouped_matmul import pallas_triton, tokamax_mosaic
+from pallas_kernels.grouped_matmul.base import check_inputs, check_scale, is_fp8, scale_block
+from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference, matmul_reference
+
+IMPLEMENTATIONS = ("reference", "pallas", "tokamax")
+
+
+def resolve_implementation(implementation: str | None, fp8: bool) -> str:
+    if implementation is None:
+        if not common.on_gpu():
+            return "reference"
+        return "tokamax" if fp8 and tokamax_mosaic.available() else "pallas"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None for the grouped matmul, got {implementation!r}")
+    return implementation
+
+
+def _logical(x, transpose: bool):
+    """x's [G, K, N] shape as a ShapeDtypeStruct (for the checks; no transposed copy)."""
+    shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transpose else x.shape
+    return jax.ShapeDtypeStruct(shape, x.dtype)
+
+
+def _row_mask(M: int, group_sizes) -> jax.Array:
+    return jnp.arange(M) < jnp.sum(group_sizes)  # bool[M]
+
+
+def _triton_config(M, G, K, N, fp8, scale_block, config):
+    if config is not None:
+        return config
+    cfg = pallas_triton.default_config(M, G, K, N, fp8)
+    if fp8 and scale_block[0] % cfg.block_k:  # one scale per K step: small test blocks
+        cfg = cfg.replace(block_k=max(16, scale_block[0]), split_k=1)
+    if fp8 and cfg.block_n > scale_block[1]:
+        cfg = cfg.replace(block_n=max(16, scale_block[1]))
+    return cfg
+
+
+def grouped_matmul(
+    lhs, rhs, group_sizes, *, rhs_scale=None, transpose_rhs: bool = False, implementation=None, preferred_element_type=None, config=None
+):
+    """lhs [M, K], rhs [G, K, N] ([G, N, K] with transpose_rhs; fp8 with rhs_scale), group_sizes
+    i32[G] -> [M, N] in preferred_element_type (default: lhs's dtype)."""
+    check_inputs(lhs, _logical(rhs, transpose_rhs), group_sizes, None if rhs_scale is None else _logical(rhs_scale, transpose_rhs))
+    fp8 = is_fp8(rhs.dtype)
+    impl = resolve_implementation(implementation, fp8)
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    group_sizes = group_sizes.astype(jnp.int32)
+    M, K = lhs.shape
+    G, N = rhs.shape[0], rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    if impl == "reference":
+        rhs_kn = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+        scale_kn = None if rhs_scale is None else (jnp.swapaxes(rhs_scale, 1, 2) if transpose_rhs else rhs_scale)
+        return grouped_matmul_reference(lhs, rhs_kn, group_sizes, scale_kn, preferred_element_type=out_dtype)
+    if impl == "pallas":
+        block = (1, 1)
+        if fp8:
+            Kb, Nb = (rhs_scale.shape[2], rhs_scale.shape[1]) if transpose_rhs else rhs_scale.shape[1:]
+            block = scale_block((K, N), (Kb, Nb))
+        cfg = _triton_config(M, G, K, N, fp8, block, config)
+        return pallas_triton.grouped_matmul_triton(
+            lhs, rhs, rhs_scale, group_sizes, out_dtype=out_dtype, config=cfg, interpret=common.interpret_mode(), transpose_rhs=transpose_rhs
+        )  # fmt: skip
+    if fp8:
+        if not transpose_rhs:
+            raise ValueError("the tokamax fp8 route reads [G, N, K] weights: pass them with transpose_rhs=True")
+        out = tokamax_mosaic.ragged_dot_fp8(lhs, rhs, rhs_scale, group_sizes, config=config, out_dtype=out_dtype)
+    else:
+        rhs_kn = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+        out = tokamax_mosaic.ragged_dot_bf16(lhs, rhs_kn, group_sizes, config=config, out_dtype=out_dtype)
+    return jnp.where(_row_mask(M, group_sizes)[:, None], out, 0).astype(out_dtype)
+
+
+def fp8_matmul(x, w, w_scale, *, implementation=None, config=None):
+    """x [M, K], w f8[N, K] (a linear layer's [out, in]), w_scale f32[N/bn_s, K/bk_s] -> [M, N] in
+    x's dtype. "pallas": the grouped kernel with one group; "tokamax" is not offered here (its
+    fp8 kernel is a ragged dot: one group is the same call, measured slower than "pallas")."""
+    check_rank("x", x, 2, "[M, K]")
+    check_rank("w", w, 2, "[N, K]")
+    check_scale(w, w_scale)
+    impl = resolve_implementation(implementation, fp8=False)
+    if impl == "reference":
+        return matmul_reference(x, w.T, w_scale.T)
+    if impl == "tokamax":
+        raise ValueError("fp8_matmul has no 'tokamax' implementation; use 'pallas' or 'reference'")
+    sizes = jnp.full((1,), x.shape[0], jnp.int32)
+    return grouped_matmul(
+        x, w[None], sizes, rhs_scale=w_scale[None], transpose_rhs=True, implementation="pallas", config=config
+    )

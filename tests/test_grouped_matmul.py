@@ -1,0 +1,122 @@
+"""pallas_kernels.grouped_matmul: the Pallas kernel (interpret mode on the CPU) against the jnp
+reference, bf16 and block-FP8 weights in both layouts, empty groups, a group larger than one
+pass, tail rows zero, NaN-poisoned outputs fully written. tokamax's Mosaic route needs a GPU
+(benchmarks/bench_step.py checks it there against the same reference)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.common.fp8 import quantize
+from pallas_kernels.grouped_matmul import TritonConfig, dequantize, fp8_matmul, grouped_matmul, grouped_matmul_triton
+
+TOLERANCE = {jnp.dtype(jnp.bfloat16): (1e-2, 1e-2), jnp.dtype(jnp.float32): (1e-5, 1e-5)}  # (relative to max |ref|, floor)
+G, K, N = 4, 256, 256
+BLOCK = (128, 128)
+
+
+def random_case(seed, sizes, *, M=None, fp8=False, transpose=False):
+    """lhs bf16[M, K], rhs ([G, K, N] or [G, N, K]), its scale or None, group_sizes i32[G]."""
+    sizes = np.asarray(sizes, np.int32)
+    M = int(sizes.sum()) if M is None else M
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    lhs = jax.random.normal(k1, (M, K), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(k2, (len(sizes), N, K) if transpose else (len(sizes), K, N), jnp.float32) / np.sqrt(K)
+    if fp8:
+        values, scale = quantize(w, BLOCK)
+        return lhs, values, scale, jnp.asarray(sizes)
+    return lhs, w.astype(jnp.bfloat16), None, jnp.asarray(sizes)
+
+
+def assert_close(out, ref, dtype):
+    rel, floor = TOLERANCE[jnp.dtype(dtype)]
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert out.shape == ref.shape and np.all(np.isfinite(out))
+    err = np.max(np.abs(out - ref)) if out.size else 0.0
+    assert err <= max(rel * np.max(np.abs(ref)), floor), f"max abs err {err}, max |ref| {np.max(np.abs(ref))}"
+
+
+SIZES = [[3, 0, 40, 5], [1, 1, 1, 1], [0, 0, 0, 0]]  # empty group and one over 32 rows; decode; nothing routed
+CONFIGS = [
+    TritonConfig(block_m=16, block_n=128, block_k=128, m_subtiles=2),
+    TritonConfig(block_m=16, block_n=64, block_k=64, swap_ab=True, n_fastest=False),
+    TritonConfig(block_m=16, block_n=128, block_k=128, split_k=2),
+]
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+@pytest.mark.parametrize("config", CONFIGS, ids=["subtiles", "swap_ab", "split_k"])
+def test_pallas_bf16_equals_reference(sizes, config):
+    lhs, rhs, _, gs = random_case(0, sizes, M=sum(sizes) + 5)  # 5 tail rows must come out 0
+    ref = grouped_matmul(lhs, rhs, gs, implementation="reference", preferred_element_type=jnp.float32)
+    out = grouped_matmul(lhs, rhs, gs, implementation="pallas", config=config, preferred_element_type=jnp.float32)
+    assert_close(out, ref, jnp.bfloat16)  # the reference rounds its bf16 operands' products in another order
+    assert np.all(np.asarray(out)[sum(sizes):] == 0)
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["kn", "nk"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["subtiles", "swap_ab", "split_k"])
+def test_pallas_fp8_writes_every_row_and_equals_reference(transpose, config):
+    """Output poisoned with NaN: every row of a group is written and equals the reference (which
+    multiplies the same dequantised weights), rows past the groups are zero."""
+    sizes = [3, 0, 40, 5]
+    lhs, values, scale, gs = random_case(2, sizes, M=sum(sizes) + 6, fp8=True, transpose=transpose)
+    M = lhs.shape[0]
+    poison = jnp.full((config.split_k, M, N) if config.split_k > 1 else (M, N), jnp.nan, jnp.float32)
+    out = grouped_matmul_triton(
+        lhs, values, scale, gs, out_dtype=jnp.float32, config=config, interpret=True, transpose_rhs=transpose, output_init=poison
+    )  # fmt: skip
+    ref = grouped_matmul(lhs, values, gs, rhs_scale=scale, transpose_rhs=transpose, implementation="reference",
+                         preferred_element_type=jnp.float32)  # fmt: skip
+    out = np.asarray(out)
+    assert np.all(np.isfinite(out[: sum(sizes)])), "a row of some group was not written"
+    assert np.all(out[sum(sizes):] == 0)
+    assert_close(out, ref, jnp.bfloat16)
+
+
+def test_each_block_scale_lands_on_its_block():
+    lhs, values, scale, gs = random_case(3, [5, 9, 0, 2], fp8=True, transpose=True)
+    scale = scale * 2.0 ** (jnp.arange(scale.size, dtype=jnp.float32).reshape(scale.shape) % 11)
+    ref = grouped_matmul(lhs, values, gs, rhs_scale=scale, transpose_rhs=True, implementation="reference", preferred_element_type=jnp.float32)
+    for bn in (64, 128, 256):
+        cfg = TritonConfig(block_n=bn, block_k=64)
+        out = grouped_matmul(lhs, values, gs, rhs_scale=scale, transpose_rhs=True, implementation="pallas", config=cfg,
+                             preferred_element_type=jnp.float32)  # fmt: skip
+        assert_close(out, ref, jnp.bfloat16)
+
+
+def test_reference_fp8_is_the_dequantised_weights_product():
+    """An fp8 model computes what the same model with its weights dequantised at load computes."""
+    lhs, values, scale, gs = random_case(4, [2, 3, 0, 1], fp8=True)
+    dense = dequantize(values, scale, jnp.bfloat16)
+    np.testing.assert_array_equal(
+        grouped_matmul(lhs, values, gs, rhs_scale=scale, implementation="reference"),
+        jax.lax.ragged_dot(lhs, dense, gs, precision=jax.lax.Precision.HIGHEST),
+    )
+
+
+@pytest.mark.parametrize("M", [1, 20])
+def test_fp8_matmul(M):
+    x = jax.random.normal(jax.random.key(8), (M, K), jnp.float32).astype(jnp.bfloat16)
+    w, w_scale = quantize(jax.random.normal(jax.random.key(9), (N, K), jnp.float32) / 16, BLOCK)  # [out, in]
+    ref = fp8_matmul(x, w, w_scale, implementation="reference")
+    np.testing.assert_array_equal(ref, jnp.einsum("mk,nk->mn", x, dequantize(w, w_scale, x.dtype), precision=jax.lax.Precision.HIGHEST))
+    out = fp8_matmul(x, w, w_scale, implementation="pallas", config=TritonConfig(block_m=16, block_n=128, block_k=128))
+    assert_close(out, ref, jnp.bfloat16)
+
+
+def test_bad_inputs_are_refused():
+    lhs, rhs, _, gs = random_case(10, [1, 2, 0, 1])
+    with pytest.raises(ValueError, match="block_n"):
+        grouped_matmul(lhs, rhs, gs, implementation="pallas", config=TritonConfig(block_n=512))
+    with pytest.raises(ValueError, match="group_sizes G"):
+        grouped_matmul(lhs, rhs, gs[:3])
+    with pytest.raises(ValueError, match="needs rhs_scale"):
+        grouped_matmul(lhs, quantize(rhs.astype(jnp.float32), BLOCK)[0], gs)
+    with pytest.raises(ValueError, match="implementation"):
+        grouped_matmul(lhs, rhs, gs, implementation="cuda")
+    with pytest.raises(ValueError, match="power of two"):
+        TritonConfig(block_m=24)
