@@ -60,6 +60,12 @@ from serving.telemetry import write_json  # noqa: E402
 from serving.validation import KV_CACHE_DTYPE_NAMES  # noqa: E402
 from serving.workload import Request  # noqa: E402
 
+# One EP8 rank of the seeds' deployment (`--tp-size 8 --dp-size 8 --enable-dp-attention`): every
+# rank serves its own requests with all heads, holds 32 of the 256 routed experts, and its share
+# of device memory (0.85) minus the weights is its KV pool.
+PRESETS = {"glm-5.1-fp8-dp8-rank": "glm_5_1", "deepseek-v3.2-dp8-rank": "deepseek_v32"}
+NVLINK_BYTES_PER_S = 450e9  # H200 NVLink per direction: the expert all-to-all's link (a stated model, not measured)
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("output_dir", "outputs/bench_serving", "Where bench_serving.json and the plots go.")
 flags.DEFINE_list("concurrency", ["1", "4", "16", "64", "128", "256"], "Max concurrencies to report.")
@@ -88,6 +94,14 @@ flags.DEFINE_integer("arrivals_new_tokens", 24, "Phase arrivals: shortest output
 flags.DEFINE_integer("arrivals_slots", 8, "Phase arrivals: request slots (3 x as many requests pass through).")
 flags.DEFINE_float("arrivals_reserve_s", 90.0, "Phase arrivals runs only if this much of --time_budget_s is left.")
 flags.DEFINE_bool("smoke", False, "Tiny model and context, to try the script on a CPU.")
+flags.DEFINE_enum(
+    "preset", None, list(PRESETS),
+    "One data-parallel-attention rank of a released model at full depth (all heads, 32 of 256 routed experts under"
+    " EP8, uniform routing over them, block-FP8 weights): its KV budget is --mem_fraction_static of the device minus"
+    " the weights (replaces --num_layers, --num_experts, --num_heads, --kv_budget_gb_per_layer).",
+)
+flags.DEFINE_float("mem_fraction_static", 0.85, "With --preset: the share of device memory for weights + KV (SGLang's flag).")
+flags.DEFINE_enum("weights_dtype", "bfloat16", ["bfloat16", "fp8_e4m3"], "Random weights: bf16, or block FP8 (128 x 128) as the FP8 checkpoints.")
 flags.DEFINE_string("replot", None, "Only redraw the plots of this bench_serving.json into --output_dir (no JAX work).")
 
 # The budget assumption, stated in the output. An H200 has 141 GB of HBM. DeepSeek-V3.2 in FP8
@@ -110,7 +124,21 @@ def save():
 
 
 def model_config() -> DSAModelConfig:
-    return bench_model_config(smoke=FLAGS.smoke, num_layers=FLAGS.num_layers, num_experts=FLAGS.num_experts, num_heads=FLAGS.num_heads)
+    block = (128, 128) if FLAGS.weights_dtype == "fp8_e4m3" or FLAGS.preset else None
+    if FLAGS.preset and not FLAGS.smoke:
+        released = getattr(DSAModelConfig, PRESETS[FLAGS.preset])()
+        # The rank's 32 routed experts with uniform routing over them (the router's groups: one).
+        return released.replace(n_routed_experts=32, n_group=1, topk_group=1, weight_block_size=block)
+    config = bench_model_config(smoke=FLAGS.smoke, num_layers=FLAGS.num_layers, num_experts=FLAGS.num_experts, num_heads=FLAGS.num_heads)
+    return config.replace(weight_block_size=None if block is None else ((16, 16) if FLAGS.smoke else block))
+
+
+def all_to_all_bytes_per_token(config: DSAModelConfig) -> int:
+    """The EP8 expert all-to-all per token and step (a model): each MoE layer dispatches the token's
+    hidden state (fp8, as DeepEP does) to its top-k experts and combines their bf16 outputs, 7 of
+    every 8 experts on another rank."""
+    moe_layers = sum(t == "sparse" for t in config.mlp_layer_types)
+    return int(moe_layers * config.num_experts_per_tok * config.hidden_size * (1 + 2) * 7 / 8)
 
 
 @dataclasses.dataclass
@@ -133,6 +161,26 @@ def build() -> Setup:
     per_layer_gb = FLAGS.kv_budget_gb_per_layer or (SMOKE_KV_BUDGET_GB_PER_LAYER if FLAGS.smoke else KV_BUDGET_GB_PER_LAYER)
     budget = int(per_layer_gb * 1e9 * config.num_layers)
     kv_cache_dtype = FLAGS.kv_cache_dtype
+    model = None
+    if FLAGS.preset:  # the budget is what the weights leave of the memory fraction
+        t = time.perf_counter()
+        model = DSAForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))  # built on the device, param by param
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+        jax.block_until_ready(nnx.state(model))
+        stats = jax.devices()[0].memory_stats() or {}
+        total = stats.get("bytes_limit", int(141e9))
+        if not FLAGS.smoke:  # the CPU has no device memory to share out: the smoke budget stays
+            budget = int(FLAGS.mem_fraction_static * total) - weight_bytes
+            per_layer_gb = budget / config.num_layers / 1e9
+        RESULTS["preset"] = dict(
+            name=FLAGS.preset, weight_bytes=weight_bytes, device_bytes=total, mem_fraction_static=FLAGS.mem_fraction_static,
+            kv_budget_bytes=budget, all_to_all_bytes_per_token=all_to_all_bytes_per_token(config),
+            build_s=time.perf_counter() - t,
+        )  # fmt: skip
+        log(f"preset {FLAGS.preset}: weights {weight_bytes / 1e9:.1f} GB, KV budget {budget / 1e9:.1f} GB"
+            f" ({FLAGS.mem_fraction_static} x {total / 1e9:.1f} GB - weights)")  # fmt: skip
+        if budget <= 0:
+            raise ValueError(f"the weights ({weight_bytes / 1e9:.1f} GB) leave no KV budget")
     capacity = {
         "hisparse": DeviceFootprint.of(config, dtype, hisparse, kv_cache_dtype).capacity(budget, context),
         "baseline": DeviceFootprint.of(config, dtype, None, kv_cache_dtype).capacity(budget, context),
@@ -141,14 +189,16 @@ def build() -> Setup:
         raise ValueError(f"the budget holds no request: {capacity}")
     log(f"model: {config.num_layers} layers, {config.num_heads} heads, hidden {config.hidden_size}, {config.n_routed_experts} experts")
     t = time.perf_counter()
-    model = DSAForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))
-    jax.block_until_ready(nnx.state(model))
+    if model is None:
+        model = DSAForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0))
+        jax.block_until_ready(nnx.state(model))
     log(f"random weights built in {time.perf_counter() - t:.1f}s")
     B = hisparse.device_buffer_size
     footprint = DeviceFootprint.of(config, dtype, None, kv_cache_dtype)
     row_bytes, key_bytes = footprint.row_bytes, footprint.key_bytes
     RESULTS["setup"] = dict(
-        model=dict(base="deepseek_v32", weights="random", num_layers=config.num_layers, num_heads=config.num_heads,
+        model=dict(base=PRESETS.get(FLAGS.preset, "deepseek_v32"), weights=f"random, {FLAGS.weights_dtype if not FLAGS.preset else 'fp8_e4m3'}",
+                   num_layers=config.num_layers, num_heads=config.num_heads,
                    hidden_size=config.hidden_size, kv_row_width=config.kv_row_width, index_n_heads=config.index_n_heads,
                    index_head_dim=config.index_head_dim, index_topk=config.index_topk,
                    n_routed_experts=config.n_routed_experts, vocab_size=config.vocab_size, dtype="bfloat16",
@@ -266,6 +316,10 @@ def run_segment(engines: Engines, name: str, mode: str, slots: int, overlap: flo
             if "residency" in result.summary:
                 measured[running]["residency"] = result.summary["residency"]
         metrics = measured[running]
+        if FLAGS.preset:  # the expert all-to-all a real EP8 rank adds: a stated model, in columns of its own
+            a2a_ms = running * RESULTS["preset"]["all_to_all_bytes_per_token"] / NVLINK_BYTES_PER_S * 1e3
+            metrics = dict(metrics, nvlink_a2a_model_ms=a2a_ms,
+                           decode_throughput_with_a2a_model=running / ((metrics["itl_ms"]["mean"] + a2a_ms) / 1e3))  # fmt: skip
         RESULTS["points"].append(dict(phase=name, selection=selection, mode=mode, slots=slots, max_concurrency=c, **metrics))
         log(f"  {name:11s} {mode:8s} c={c:4d} running={metrics['running']:4d}: {metrics['decode_throughput']:10.1f} tok/s,"
             f" ITL {metrics['itl_ms']['mean']:.2f} ms (p99 {metrics['itl_ms']['p99']:.2f}),"
@@ -311,6 +365,17 @@ def ratios() -> list[dict]:
                                 ratio=p["decode_throughput"] / b["decode_throughput"]))  # fmt: skip
                 break
     return out
+
+
+def rank_summary(setup: Setup) -> list[dict]:
+    """The headline per context: capacities and the SYNTHETIC-selection throughput ratios at
+    capacity and at c = 1 (issue 21's summary rows)."""
+    synthetic = [r for r in RESULTS.get("ratios", []) if r["phase"] == "synthetic"]
+    at = lambda c: next((r["ratio"] for r in synthetic if r["max_concurrency"] == c), None)  # noqa: E731
+    cap = setup.capacity["hisparse"]
+    at_capacity = next((r["ratio"] for r in sorted(synthetic, key=lambda r: -r["max_concurrency"]) if r["max_concurrency"] >= cap), None)
+    return [dict(preset=FLAGS.preset, kv_cache_dtype=FLAGS.kv_cache_dtype, context=setup.context, capacity_hisparse=cap,
+                 capacity_baseline=setup.capacity["baseline"], ratio_at_capacity=at_capacity, ratio_c1=at(1))]  # fmt: skip
 
 
 def step_cost_fit() -> list[dict]:
@@ -431,6 +496,7 @@ def main(_):
                 log(f"arrivals failed: {error!r}")
     RESULTS["ratios"] = ratios()
     RESULTS["step_cost_fit"] = step_cost_fit()
+    RESULTS["summary"] = rank_summary(setup)
     for fit in RESULTS["step_cost_fit"]:
         log(f"step ~ F + n x c: {fit['phase']:9s} {fit['mode']:8s} F {fit['F_ms']:.2f} ms, c {fit['c_ms']:.3f} ms per request"
             f" (from running {fit['running']})")
