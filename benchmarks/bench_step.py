@@ -64,7 +64,7 @@ from models.common.layers import matmul_implementation  # noqa: E402
 from models.common.moe import Experts  # noqa: E402
 from models.dsa.model import DSAForCausalLM  # noqa: E402
 from models.dsa.runner import ModelRunner  # noqa: E402
-from pallas_kernels.grouped_matmul import tokamax_mosaic  # noqa: E402
+from pallas_kernels.grouped_matmul import pallas_triton, tokamax_mosaic  # noqa: E402
 from serving.engine import Engine, EngineConfig  # noqa: E402
 from serving.workload import Request  # noqa: E402
 
@@ -104,11 +104,13 @@ def moe_case(model_name: str, weights_dtype: str):
     experts = Experts(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(experts)
     E, X = config.n_routed_experts, config.num_experts_per_tok
-    impls = ["reference", "pallas"] + (["tokamax"] if tokamax_mosaic.available() and not ARGS.smoke else [])
+    impls = ["reference", "pallas"] + (["pallas_f16"] if fp8 else []) + (["tokamax"] if tokamax_mosaic.available() and not ARGS.smoke else [])
 
     def run(impl):
         def f(params, x, w, ids):
-            with matmul_implementation(impl):
+            # "pallas_f16": the Pallas kernel with its dot in f16 (pallas_triton's "f16" conversion)
+            pallas_triton.DEFAULT_FP8_CONVERSION = "f16" if impl == "pallas_f16" else "native"
+            with matmul_implementation("pallas" if impl == "pallas_f16" else impl):
                 return nnx.merge(graphdef, params)(x, w, ids)
 
         return jax.jit(f)

@@ -38,6 +38,10 @@ by `fp8_conversion` because what the Triton in jaxlib accepts on sm90 is not yet
   "bits":    the weights are read as uint8 and widened with integer ops: the e4m3 sign, exponent
              and mantissa bits placed into an f16 (exact, denormals included; the f16 value is
              the e4m3 value / 256, folded into the scale). Needs no fp8 support at all.
+  "f16":     f8E4M3FN -> f16 (one cvt per pair on sm89+) and the dot in f16 (activations cast to
+             f16 per tile: their range holds decode activations, 11 mantissa bits to bf16's 8),
+             skipping the f16 -> bf16 step, which sm90 has no instruction for; tokamax's fp8
+             kernel takes the same route.
 
 Shape letters: M rows of lhs, K contraction, N output columns, G groups, S split_k,
 Kb = K / bk_s and Nb = N / bn_s scale blocks (bk_s x bn_s the scale block, 128 x 128 as published).
@@ -60,7 +64,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.grouped_matmul.base import scale_block
 
-FP8_CONVERSIONS = ("native", "via_f16", "bits")
+FP8_CONVERSIONS = ("native", "via_f16", "bits", "f16")
+# The conversion default_config picks (benchmarks/bench_step.py sets it to compare them).
+DEFAULT_FP8_CONVERSION = "native"
 _BITS_SCALE = 256.0  # "bits": the f16 built from e4m3 bits is the value / 2**8
 
 
@@ -84,7 +90,7 @@ class TritonConfig:
     num_warps: int = 4
     num_stages: int = 4  # Triton software-pipelining depth of the K loop
     swap_ab: bool = False  # dot(w^T, x^T): weights on the MMA's M side
-    fp8_conversion: str = "via_f16"  # one of FP8_CONVERSIONS
+    fp8_conversion: str = "via_f16"  # one of FP8_CONVERSIONS (default_config: DEFAULT_FP8_CONVERSION)
     evict_first: bool = True  # weight loads marked evict_first (streamed once; keep L2 for lhs)
     n_fastest: bool = True  # grid (N/bn, G, S): programs launched together share a group, so
     #   they stream whole rows of one expert's [K, N] (DRAM pages) instead of 256-byte pieces of
@@ -150,6 +156,7 @@ def default_config(M: int, G: int, K: int, N: int, fp8: bool, num_sms: int = 132
         if k_blocks % s == 0:
             split_k = s
     return TritonConfig(
+        fp8_conversion=DEFAULT_FP8_CONVERSION,
         block_m=block_m,
         block_n=block_n,
         block_k=block_k,
@@ -211,7 +218,9 @@ def _row_block(leading: tuple, rows, col0, size: int, interpret: bool) -> tuple:
 
 
 def _fp8_tile_to_bf16(w, conversion: str):
-    """A weight tile f8e4m3fn[bk, bn] (uint8 for "bits") -> bf16[bk, bn] (/ 256 for "bits")."""
+    """A weight tile f8e4m3fn[bk, bn] (uint8 for "bits") -> bf16[bk, bn] (/ 256 for "bits"; f16 for "f16")."""
+    if conversion == "f16":
+        return w.astype(jnp.float16)
     if conversion == "native":
         return w.astype(jnp.bfloat16)
     if conversion == "via_f16":
@@ -262,6 +271,7 @@ def _kernel(
     out_lead = (split,) if partials else ()
 
     bk_s, bn_s = scale_block
+    dot_dtype = jnp.float16 if fp8 and cfg.fp8_conversion == "f16" else jnp.bfloat16
 
     def load_scale(k0):  # f32[] (block_n <= bn_s) or f32[bn]: the scale of each column here
         kb = k0 // bk_s
@@ -290,7 +300,7 @@ def _kernel(
                         x_ref.at[_row_block((), rows, k0, bk, interpret)],
                         mask=jnp.broadcast_to(ok[:, None], (bm, bk)),
                         other=jnp.zeros((), x_ref.dtype),
-                    ).astype(jnp.bfloat16)  # bf16[bm, bk]
+                    ).astype(dot_dtype)  # bf16[bm, bk] (f16 with the "f16" conversion)
                     if cfg.swap_ab:
                         part = jax.lax.dot_general(
                             w, x, (((w_contract,), (1,)), ((), ())), preferred_element_type=jnp.float32
