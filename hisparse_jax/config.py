@@ -3,8 +3,10 @@
     HiSparseConfig.from_json('{"top_k": 2048, "device_buffer_size": 4096,'
                              ' "host_to_device_ratio": 8, "swap_in_block_size": 960}')
 
-Defaults follow SGLang: top_k 2048, device_buffer_size 2 * top_k, host_to_device_ratio 2,
-swap_in_block_size 960. Every error names the offending field.
+Defaults follow SGLang: top_k 2048, host_to_device_ratio 2, swap_in_block_size 960, and in
+from_json (the JSON path) device_buffer_size 2 * top_k. The constructor's own default for
+device_buffer_size is 4096 (2 x the default top_k) whatever top_k is: HiSparseConfig(top_k=16)
+has 4096 slots, HiSparseConfig.from_json('{"top_k": 16}') 32. Every error names the offending field.
 
 Dynamic residency (SGLang's / vLLM's hybrid HiSparse) is an optional nested object:
 
