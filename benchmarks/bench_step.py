@@ -37,6 +37,7 @@ PARSER.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU 
 PARSER.add_argument("--sections", default="moe,step")
 PARSER.add_argument("--tokens", default="1,8,24,64,88,128,256")
 PARSER.add_argument("--moe_models", default="deepseek_v32,glm_5_1")
+PARSER.add_argument("--later_model_tokens", default="8,88,256", help="tokens for the MoE models after the first (compiles are the cost)")
 PARSER.add_argument("--calls", type=int, default=10)
 PARSER.add_argument("--running", default="1,4,16,24,64,88")
 PARSER.add_argument("--context", type=int, default=32768)
@@ -98,7 +99,7 @@ def moe_floor_us(config: DSAModelConfig, touched: int, fp8: bool) -> float:
     return touched * (weights + scales) / HBM_BYTES_PER_S * 1e6
 
 
-def moe_case(model_name: str, weights_dtype: str):
+def moe_case(model_name: str, weights_dtype: str, tokens: list[int]):
     fp8 = weights_dtype == "fp8_e4m3"
     config = rank_config(model_name, (128, 128) if fp8 else None)
     experts = Experts(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -116,7 +117,7 @@ def moe_case(model_name: str, weights_dtype: str):
         return jax.jit(f)
 
     fns = {impl: run(impl) for impl in impls}
-    for T in [int(t) for t in ARGS.tokens.split(",")]:
+    for T in tokens:
         if over_budget():
             RESULTS["errors"].append(f"moe {model_name} {weights_dtype} T={T}: skipped, over --time_budget_s")
             return
@@ -240,9 +241,10 @@ def main():
     sections = ARGS.sections.split(",")
     if "moe" in sections:
         models = ["tiny"] if ARGS.smoke else ARGS.moe_models.split(",")
-        for name in models:
+        for i, name in enumerate(models):
+            tokens = [int(t) for t in (ARGS.tokens if i == 0 else ARGS.later_model_tokens).split(",")]
             for dtype in ("bfloat16", "fp8_e4m3"):
-                attempt(RESULTS["errors"], f"moe {name} {dtype}", lambda name=name, dtype=dtype: moe_case(name, dtype))
+                attempt(RESULTS["errors"], f"moe {name} {dtype}", lambda name=name, dtype=dtype, tokens=tokens: moe_case(name, dtype, tokens))
     if "step" in sections:
         attempt(RESULTS["errors"], "step", step_section)
     save()

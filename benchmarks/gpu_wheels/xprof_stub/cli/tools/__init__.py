@@ -1,0 +1,1 @@
+"""Stub: see xprof/__init__.py."""
