@@ -94,7 +94,7 @@ from benchmarks.helpers import log, stats, write_json  # noqa: E402
 from configs.model import DSAModelConfig  # noqa: E402
 from hisparse_jax import memory  # noqa: E402
 from hisparse_jax.config import HiSparseConfig  # noqa: E402
-from models.dsa.decoding import cache_shardings, decode_step
+from models.dsa.decoding import decode_step
 from models.dsa.generate import generate
 from models.dsa.model import DSAForCausalLM  # noqa: E402
 from models.dsa.runner import ModelRunner  # noqa: E402
@@ -158,7 +158,7 @@ def model_config() -> DSAModelConfig:
 
 def runner_for(model, mode: str, defer_backup: bool, kv_cache_dtype: str, implementation=None, compiler_options=None) -> ModelRunner:
     """A ModelRunner whose jitted decode step runs with this prefetch mode and backup placement
-    (the engine calls runner.decode_step; the jit is rebuilt as ModelRunner._jitted builds it)."""
+    (the engine calls runner.greedy_step; the jit is rebuilt by ModelRunner.jit_decode)."""
     runner = ModelRunner(model, kv_cache_dtype=kv_cache_dtype, implementation=implementation, shared_prefetch=mode)
     original = runner._jitted
 
@@ -169,10 +169,7 @@ def runner_for(model, mode: str, defer_backup: bool, kv_cache_dtype: str, implem
                 decode_step, runner.graphdef, implementation=runner.implementation, mesh=None,
                 shared_prefetch=mode, defer_backup=defer_backup,
             )  # fmt: skip
-            device = memory.sharding(memory.DEVICE)
-            fns["decode"] = jax.jit(
-                step, donate_argnums=1, out_shardings=(cache_shardings(cache), device, device), compiler_options=compiler_options
-            )
+            fns["decode"] = runner.jit_decode(cache, step, compiler_options=compiler_options)
             fns["_patched"] = True
         return fns
 
