@@ -356,20 +356,21 @@ def hlo_summary(path: str, cache) -> dict:
 
 
 class StepProbe:
-    """Wraps runner.decode_step: starts / stops a profiler trace around chosen steps."""
+    """Wraps runner.greedy_step (the engine's decode step): starts / stops a profiler trace
+    around chosen steps."""
 
     def __init__(self, runner, trace_dir, trace_from, trace_steps):
         self.runner, self.trace_dir = runner, trace_dir
         self.trace_from, self.trace_to = trace_from, trace_from + trace_steps
         self.count, self.tracing = 0, False
-        self._orig = runner.decode_step
-        runner.decode_step = self._decode
+        self._orig = runner.greedy_step
+        runner.greedy_step = self._decode
 
-    def _decode(self, cache, tokens, positions, topk=None):
+    def _decode(self, cache, tokens, positions, topk=None, feed=None):
         if self.trace_dir is not None and self.count == self.trace_from:
             jax.profiler.start_trace(self.trace_dir)
             self.tracing = True
-        out = self._orig(cache, tokens, positions, topk)
+        out = self._orig(cache, tokens, positions, topk, feed)
         self.count += 1
         if self.tracing and self.count == self.trace_to:
             jax.block_until_ready(out)
@@ -380,7 +381,7 @@ class StepProbe:
     def close(self):
         if self.tracing:
             jax.profiler.stop_trace()
-        del self.runner.decode_step
+        del self.runner.greedy_step
 
 
 def plot_timeline(timeline: list, path: str, title: str) -> None:
