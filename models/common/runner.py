@@ -288,12 +288,12 @@ class FamilyRunner:
         if topk is not None:
             raise ValueError("a top-k override (SYNTHETIC selection) is not supported for this model family")
         R, b = cache.kv.num_requests, len(tokens)
-        full = np.full((3, R), -1, np.int32)  # i32[3, R]: tokens, positions (past b: inactive), src (-1: host)
-        full[0] = 0
+        full = np.zeros((3, R), np.int32)  # i32[3, R]: tokens, positions, src
+        full[1:] = -1  # past b: inactive, tokens from the host
         full[0, :b], full[1, :b] = tokens, positions
-        previous = None if feed is None else feed.previous
+        previous = None
         if feed is not None:
-            full[2, :b] = feed.src
+            full[2, :b], previous = feed.src, feed.previous
         previous = self._no_tokens(R) if previous is None else previous
         tokens, positions, src = (jnp.asarray(row) for row in full)
         return self._jitted(cache)["decode"](self._param_leaves, cache, tokens, positions, previous, src)
