@@ -94,7 +94,7 @@ from benchmarks.helpers import log, stats, write_json  # noqa: E402
 from configs.model import DSAModelConfig  # noqa: E402
 from hisparse_jax import memory  # noqa: E402
 from hisparse_jax.config import HiSparseConfig  # noqa: E402
-from models.dsa.decoding import cache_shardings, decode_step
+from models.dsa.decoding import decode_step
 from models.dsa.generate import generate
 from models.dsa.model import DSAForCausalLM  # noqa: E402
 from models.dsa.runner import ModelRunner  # noqa: E402
@@ -158,7 +158,7 @@ def model_config() -> DSAModelConfig:
 
 def runner_for(model, mode: str, defer_backup: bool, kv_cache_dtype: str, implementation=None, compiler_options=None) -> ModelRunner:
     """A ModelRunner whose jitted decode step runs with this prefetch mode and backup placement
-    (the engine calls runner.decode_step; the jit is rebuilt as ModelRunner._jitted builds it)."""
+    (the engine calls runner.greedy_step; the jit is rebuilt by ModelRunner.jit_decode)."""
     runner = ModelRunner(model, kv_cache_dtype=kv_cache_dtype, implementation=implementation, shared_prefetch=mode)
     original = runner._jitted
 
@@ -169,10 +169,7 @@ def runner_for(model, mode: str, defer_backup: bool, kv_cache_dtype: str, implem
                 decode_step, runner.graphdef, implementation=runner.implementation, mesh=None,
                 shared_prefetch=mode, defer_backup=defer_backup,
             )  # fmt: skip
-            device = memory.sharding(memory.DEVICE)
-            fns["decode"] = jax.jit(
-                step, donate_argnums=1, out_shardings=(cache_shardings(cache), device, device), compiler_options=compiler_options
-            )
+            fns["decode"] = runner.jit_decode(cache, step, compiler_options=compiler_options)
             fns["_patched"] = True
         return fns
 
@@ -359,20 +356,21 @@ def hlo_summary(path: str, cache) -> dict:
 
 
 class StepProbe:
-    """Wraps runner.decode_step: starts / stops a profiler trace around chosen steps."""
+    """Wraps runner.greedy_step (the engine's decode step): starts / stops a profiler trace
+    around chosen steps."""
 
     def __init__(self, runner, trace_dir, trace_from, trace_steps):
         self.runner, self.trace_dir = runner, trace_dir
         self.trace_from, self.trace_to = trace_from, trace_from + trace_steps
         self.count, self.tracing = 0, False
-        self._orig = runner.decode_step
-        runner.decode_step = self._decode
+        self._orig = runner.greedy_step
+        runner.greedy_step = self._decode
 
-    def _decode(self, cache, tokens, positions, topk=None):
+    def _decode(self, cache, tokens, positions, topk=None, feed=None):
         if self.trace_dir is not None and self.count == self.trace_from:
             jax.profiler.start_trace(self.trace_dir)
             self.tracing = True
-        out = self._orig(cache, tokens, positions, topk)
+        out = self._orig(cache, tokens, positions, topk, feed)
         self.count += 1
         if self.tracing and self.count == self.trace_to:
             jax.block_until_ready(out)
@@ -383,7 +381,7 @@ class StepProbe:
     def close(self):
         if self.tracing:
             jax.profiler.stop_trace()
-        del self.runner.decode_step
+        del self.runner.greedy_step
 
 
 def plot_timeline(timeline: list, path: str, title: str) -> None:

@@ -102,6 +102,10 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_float("mem_fraction_static", 0.85, "With --preset: the share of device memory for weights + KV (SGLang's flag).")
 flags.DEFINE_enum("weights_dtype", "bfloat16", ["bfloat16", "fp8_e4m3"], "Random weights: bf16, or block FP8 (128 x 128) as the FP8 checkpoints.")
+flags.DEFINE_bool(
+    "disable_overlap_schedule", False,
+    "As SGLang's: read each step's tokens before dispatching the next (default: the overlap schedule, EngineConfig.overlap_schedule).",
+)
 flags.DEFINE_string("replot", None, "Only redraw the plots of this bench_serving.json into --output_dir (no JAX work).")
 
 # The budget assumption, stated in the output. An H200 has 141 GB of HBM. DeepSeek-V3.2 in FP8
@@ -283,6 +287,7 @@ class Engines:
                 EngineConfig(max_running_requests=slots, context_length=setup.context,
                              hisparse=self.hisparse_of(mode), kv_budget_bytes=setup.budget,
                              page_size=64, synthetic_context=True, seed=0,
+                             overlap_schedule=not FLAGS.disable_overlap_schedule,
                              # the buckets the points run (min(c, slots) requests each), not every
                              # power of two: each is a decode compile
                              batch_buckets=tuple(min(c, slots) for c in self.concurrency)),
@@ -408,7 +413,7 @@ def arrivals_phase(setup: Setup) -> None:
     requests = [Request(i, rng.integers(0, vocab, prompt_len).astype(np.int32), new_tokens + 3 * (i % slots)) for i in range(total)]
     engine = Engine(setup.runner, EngineConfig(
         max_running_requests=slots, context_length=prompt_len + new_tokens + 3 * slots, hisparse=setup.hisparse,
-        page_size=64, batch_buckets=False, seed=0,
+        page_size=64, batch_buckets=False, seed=0, overlap_schedule=not FLAGS.disable_overlap_schedule,
     ))  # fmt: skip
     t = time.perf_counter()
     engine.warmup(requests[:1])

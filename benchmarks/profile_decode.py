@@ -8,9 +8,12 @@ RANDOM weights, SYNTHETIC 32k contexts written straight into the host pool, no p
 chosen size: --num_layers layers, --slots HiSparse request slots, --baseline_slots full-KV ones
 (every slot running; no KV budget). Each phase of --plan (mode:selection) runs
 --warm_steps + --steps decode steps through Engine.run, timing each step from the engine's
-decode call (dispatch: until ModelRunner.decode_step returns; total: until its outputs are
+decode call (dispatch: until ModelRunner.greedy_step returns; total: until its outputs are
 ready) and the synthetic selector alone, and records a jax.profiler trace of --trace_steps
-steps, summarised as device time per kernel name (top 15). It found the synthetic-selection
+steps, summarised as device time per kernel name (top 15). Waiting for each step's outputs
+(total, logits) would stop the engine's overlap schedule (the next step dispatched while this one
+runs), so with it on (the default) only dispatch times are taken; --disable_overlap_schedule
+takes all three, one step at a time. It found the synthetic-selection
 slowdown (1.9 s per step: XLA copied the whole pinned pool twice per step, see
 HiSparseState.replay_swap_in; tests/test_models.py guards it). Phases with the same selection are
 compared: tokens per request, and the first (step, request) whose sum of logits differs (on the
@@ -54,6 +57,8 @@ PARSER.add_argument("--plan", default="hisparse:model,hisparse:synthetic,baselin
 PARSER.add_argument("--running", type=int, default=0, help="requests per phase (0: every slot), on their own batch bucket")
 PARSER.add_argument("--kv_cache_dtype", default="auto", help="auto (bf16) | fp8_e4m3, as SGLang's --kv-cache-dtype")
 PARSER.add_argument("--time_budget_s", type=float, default=420.0, help="skip phases past this")
+PARSER.add_argument("--disable_overlap_schedule", action="store_true",
+                    help="as SGLang's: read each step's tokens before dispatching the next (then total times and logits are taken)")
 ARGS = PARSER.parse_args()
 
 HLO_DIR = "/tmp/profile_decode_hlo"
@@ -98,9 +103,10 @@ def model_config() -> DSAModelConfig:
 
 
 class StepProbe:
-    """Wraps runner.decode_step and the engine's selector: per decode step, the selector's time
-    (to its result being ready), the decode dispatch time (until decode_step returns) and the
-    total (until its outputs are ready); starts/stops a profiler trace around chosen steps."""
+    """Wraps runner.greedy_step and the engine's selector: per decode step, the selector's time
+    (to its result being ready), the decode dispatch time (until greedy_step returns) and, with
+    the engine's overlap schedule off, the total (until its outputs are ready) and a few logit
+    figures; starts/stops a profiler trace around chosen steps."""
 
     def __init__(self, engine: Engine, trace_dir: str | None, trace_from: int, trace_steps: int):
         self.engine, self.runner = engine, engine.runner
@@ -109,8 +115,9 @@ class StepProbe:
         self.logits: list[dict] = []  # per step: request id -> [position, sum of logits, top1 - top2]
         self.select_s: list[float] = []
         self.tracing = False
-        self._orig_decode = self.runner.decode_step
-        self.runner.decode_step = self._decode  # instance attribute shadows the method
+        self._orig_decode = self.runner.greedy_step
+        self.runner.greedy_step = self._decode  # instance attribute shadows the method
+        self.wait = not engine.config.overlap_schedule  # waiting per step would serialise the steps
         self._orig_select = None
         if engine.selector is not None:
             self._orig_select = engine.selector.select
@@ -122,18 +129,22 @@ class StepProbe:
         self.select_s.append((time.perf_counter() - t) * 1e3)
         return out
 
-    def _decode(self, cache, tokens, positions, topk=None):
+    def _decode(self, cache, tokens, positions, topk=None, feed=None):
         i = len(self.records)
         if self.trace_dir is not None and i == self.trace_from:
             jax.profiler.start_trace(self.trace_dir)
             self.tracing = True
         t0 = time.perf_counter()
-        out = self._orig_decode(cache, tokens, positions, topk)
+        out = self._orig_decode(cache, tokens, positions, topk, feed)
         t1 = time.perf_counter()
+        if not self.wait:
+            self.records.append(dict(dispatch_ms=(t1 - t0) * 1e3))
+            self._stop_trace_after(i, out)
+            return out
         jax.block_until_ready(out)
         t2 = time.perf_counter()
         self.records.append(dict(dispatch_ms=(t1 - t0) * 1e3, total_ms=(t2 - t0) * 1e3))
-        logits = out[1].astype(jnp.float32)  # f32[R, V]; after the timing
+        logits = out[1].astype(jnp.float32)  # f32[b, V]; after the timing
         sums = np.asarray(jnp.sum(logits, axis=-1), np.float64)
         top2 = np.asarray(jax.lax.top_k(logits, 2)[0], np.float64)
         step = {}
@@ -141,16 +152,20 @@ class StepProbe:
             rid = self.engine.scheduler.running_request(int(slot)).id
             step[str(rid)] = [int(positions[slot]), float(sums[slot]), float(top2[slot, 0] - top2[slot, 1])]
         self.logits.append(step)
+        self._stop_trace_after(i, out)
+        return out
+
+    def _stop_trace_after(self, i: int, out) -> None:
         if self.tracing and i + 1 == self.trace_to:
+            jax.block_until_ready(out)
             jax.profiler.stop_trace()
             self.tracing = False
-        return out
 
     def close(self):
         if self.tracing:
             jax.profiler.stop_trace()
             self.tracing = False
-        del self.runner.decode_step
+        del self.runner.greedy_step
         if self._orig_select is not None:
             del self.engine.selector.select
 
@@ -272,7 +287,7 @@ def run_phase(name: str, engine: Engine, overlap, prompt, slots: int) -> dict:
         warmup_s=warm_s, run_s=run_s,
         engine_step_ms=stats([s.step_s * 1e3 for s in steps[ARGS.warm_steps:]]),
         engine_step_ms_all=[round(s.step_s * 1e3, 2) for s in steps],
-        decode_total_ms=stats([r["total_ms"] for r in timed]),
+        decode_total_ms=stats([r["total_ms"] for r in timed if "total_ms" in r]),
         decode_dispatch_ms=stats([r["dispatch_ms"] for r in timed]),
         decode_all=[{k: round(v, 2) for k, v in r.items()} for r in probe.records],
         select_ms=stats(probe.select_s[ARGS.warm_steps:]),  # the selector, to its result ready
@@ -322,6 +337,8 @@ def token_checks(phases) -> list[dict]:
                         differing += 1
                         if first is None:
                             first = dict(step=step, request=int(rid), a=la[rid], b=lb[rid])
+            if not (a.get("logits") and b.get("logits")):  # the overlap schedule: none taken
+                differing = None
             check.update(logit_rows_differing=differing, first_logit_difference=first)
             out.append(check)
     return out
@@ -358,6 +375,7 @@ def main():
         return Engine(runner, EngineConfig(max_running_requests=n, context_length=context,
                                            hisparse=hisparse_of[mode],
                                            page_size=64, synthetic_context=True, seed=0,
+                                           overlap_schedule=not ARGS.disable_overlap_schedule,
                                            # one compile: all slots, or the --running bucket
                                            batch_buckets=(min(n, ARGS.running),) if ARGS.running else False))  # fmt: skip
 

@@ -94,6 +94,7 @@ class ServingArgs:
     # different batch sizes) and the run's HiSparse-vs-baseline token check is exact.
     batch_buckets: bool = False
     prefill_token_budget: int | None = None  # EngineConfig.prefill_token_budget: None prefills whole
+    disable_overlap_schedule: bool = False  # SGLang's --disable-overlap-schedule (EngineConfig.overlap_schedule)
     tp_size: int = 1  # SGLang's --tp-size, --dp-size, --enable-dp-attention (hisparse_jax.sharding)
     dp_size: int = 1
     enable_dp_attention: bool = False
@@ -244,7 +245,7 @@ def run_serving(args: ServingArgs) -> dict:
             parallel=dataclasses.asdict(args.parallel),
             jax_version=jax.__version__, context_length=context, max_running_requests=args.max_running_requests,
             kv_budget_bytes=budget, kv_budget_source=budget_source, hisparse_config=json.loads(hisparse.to_json()),
-            page_size=args.page_size,
+            page_size=args.page_size, overlap_schedule=not args.disable_overlap_schedule,
             workload=dict(dataset="random", num_prompts=args.num_prompts, random_input_len=args.random_input_len,
                           random_output_len=args.random_output_len, random_range_ratio=args.random_range_ratio,
                           seed=args.seed, output_tokens=sum(r.max_new_tokens for r in requests)),
@@ -343,7 +344,7 @@ def _engine(runner, args: ServingArgs, hisparse, context: int, budget: int, num_
             max_running_requests=args.max_running_requests, context_length=context, hisparse=hisparse,
             kv_budget_bytes=budget, page_size=args.page_size, synthetic_topk_overlap=args.synthetic_topk_overlap,
             seed=args.seed, num_host_pages=num_host_pages, batch_buckets=args.batch_buckets,
-            prefill_token_budget=args.prefill_token_budget,
+            prefill_token_budget=args.prefill_token_budget, overlap_schedule=not args.disable_overlap_schedule,
         ),
     )  # fmt: skip
 

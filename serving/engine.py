@@ -11,9 +11,16 @@ direct-to-host (ModelRunner.start_prefill), within `prefill_token_budget` prompt
 per iteration (None: whole), so a long prompt does not stall the running requests for all its
 layers at once; a prompt whose last layer is done samples its first token and decodes from the
 next step. Then ONE decode step runs every decoding request at once (static shapes: a batch
-bucket of slots, inactive ones at position -1, see below), greedy tokens come back to the host,
-and requests that reached max_new_tokens or EOS retire, giving back slot, host pages and device
-bytes.
+bucket of slots, inactive ones at position -1, see below), one dispatch that also takes its
+input tokens from the last step's output on the device and computes the greedy tokens and
+counters (runner.greedy_step); the tokens come back to the host, and requests that reached
+max_new_tokens or EOS retire, giving back slot, host pages and device bytes.
+
+Overlap schedule (SGLang's, `overlap_schedule`, default on): the host dispatches step t + 1
+before it reads step t's tokens, so the device never waits for the host's loop. Positions and
+length limits are known on the host; an EOS is known one step late, so its request runs one
+extra step whose token is dropped and then retires (docs/engine.md says why that is exact).
+A step's recorded time is then the time between consecutive steps' results on the host.
 
 Batch buckets (SGLang's CUDA-graph batch sizes): the decode step is compiled for a few batch
 sizes, the powers of two below R and R itself, and each step runs the smallest bucket that holds
@@ -58,7 +65,7 @@ from hisparse_jax.host_pages import HostPageAllocator
 from hisparse_jax.kv_cache_ops import end_request
 from hisparse_jax.paged_state import PagedHiSparseState
 from hisparse_jax.state import REQUEST_AXIS, jit_donating_state, state_shardings
-from models.common.runner import PrefillJob, padded_prompt_length
+from models.common.runner import PrefillJob, StepResult, TokenFeed, padded_prompt_length
 from models.dsa.decoding import DecodeCache
 from models.dsa.runner import ModelRunner
 from serving.errors import UsageError
@@ -120,6 +127,9 @@ class EngineConfig:
     # tokens costs Tp); at least one layer runs per step. None: an admitted prompt is prefilled
     # whole before the next decode step (running requests wait for it).
     prefill_token_budget: int | None = None
+    # SGLang's overlap scheduler: step t + 1 is dispatched before step t's tokens are read, so the
+    # device never waits for the host's loop (False: SGLang's --disable-overlap-schedule).
+    overlap_schedule: bool = True
 
     def __post_init__(self):
         _positive_int("max_running_requests", self.max_running_requests)
@@ -147,6 +157,38 @@ class EngineConfig:
         if self.synthetic_topk_overlap is None:
             return "model"
         return f"synthetic(overlap={self.synthetic_topk_overlap:g})"
+
+
+class _SlotInputs:
+    """What the next decode step takes per slot, host arrays i32[R] each; compaction moves a
+    request's entries with it."""
+
+    def __init__(self, num_slots: int):
+        self.tokens = np.zeros(num_slots, np.int32)  # i32[R]: input token from the host, read where src is -1
+        # i32[R]: the slot of the last step's tokens (on the device) that is this slot's input; -1: `tokens`
+        self.src = np.full(num_slots, -1, np.int32)
+        self.positions = np.full(num_slots, -1, np.int32)  # i32[R]: the input's position, -1 inactive
+        self.request_ids = np.zeros(num_slots, np.int32)  # i32[R]: id of the request in each slot (synthetic selection)
+
+    def start(self, slot: int, token: int, position: int) -> None:
+        """The request in `slot` decodes from the next step on, its first input from the host."""
+        self.tokens[slot], self.src[slot], self.positions[slot] = token, -1, position
+
+    def move(self, source: int, target: int) -> None:
+        for array in (self.tokens, self.src, self.positions, self.request_ids):
+            array[target] = array[source]
+        self.positions[source] = -1  # the source slot is inactive now
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched decode step whose results the host has not read yet."""
+
+    result: StepResult  # on the device
+    batch: list[tuple[int, Request]]  # (slot, its request) per active slot; the slot is its row of result.next_tokens
+    size: int  # b: the slots the step computed (its batch bucket)
+    begin_s: float  # perf_counter when it was dispatched (after the synthetic selector, if any)
+    ready_s: float | None = None  # perf_counter when its results were ready on the host
 
 
 @dataclasses.dataclass
@@ -192,8 +234,7 @@ class Engine:
         ]
         self.scheduler = schedulers[0] if groups == 1 else DataParallelScheduler(schedulers)
         self._end = jax.jit(end_request, donate_argnums=0, out_shardings=state_shardings(self.cache.kv))
-        self._argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))
-        self._count = jax.jit(lambda t: (jnp.sum(t.num_hits), jnp.sum(t.num_misses)))
+        self._argmax = jax.jit(lambda logits: jnp.argmax(logits, axis=-1).astype(jnp.int32))  # a prefill's first token
         self.selector = None
         self.use_selection(config.synthetic_topk_overlap)
         # Data-parallel groups each own a block of slots, so one prefix of them is not a group's
@@ -308,10 +349,11 @@ class Engine:
         """The smallest compiled batch size holding `num_running` requests (slots 0 .. n - 1)."""
         return next(b for b in self.buckets if b >= num_running)
 
-    def _compact(self, tokens: np.ndarray, positions: np.ndarray, slot_ids: np.ndarray, prefilling: dict) -> None:
+    def _compact(self, inputs: _SlotInputs, prefilling: dict) -> None:
         """Moves running requests from the highest slots into the holes below them, so they
-        occupy slots 0 .. n - 1; the loop's per-slot arrays (i32[R] each) and prefills in
-        progress (slot -> (request, PrefillJob)) move with them."""
+        occupy slots 0 .. n - 1; the next step's inputs and prefills in progress (slot ->
+        (request, PrefillJob)) move with them. A mover's input token stays where the last step
+        left it on the device: its src moves, nothing is read."""
         running = self.scheduler.running_slots()
         n = len(running)
         holes = sorted(set(range(n)) - set(running))
@@ -323,9 +365,7 @@ class Engine:
                 self.residency.move(source, target)
             if self.selector is not None:
                 self.selector.move(source, target)
-            for array in (tokens, positions, slot_ids):
-                array[target] = array[source]
-            positions[source] = -1  # the source slot is inactive now
+            inputs.move(source, target)
             if source in prefilling:
                 prefilling[target] = prefilling.pop(source)
                 prefilling[target][1].slot = target
@@ -335,6 +375,42 @@ class Engine:
         self.scheduler.finish(slot)
         if self.residency is not None:
             self.residency.release(slot)
+
+    def _slot_of(self, request: Request) -> int:
+        """The slot `request` runs in now (compaction may have moved it since it was dispatched)."""
+        return next(slot for slot in self.scheduler.running_slots() if self.scheduler.running_request(slot).id == request.id)
+
+    def _dispatch(self, inputs: _SlotInputs, active: np.ndarray, previous: jax.Array | None) -> _InFlight:
+        """Dispatches one decode step for the `active` slots on the smallest bucket holding them:
+        ONE jitted call, which also feeds the input tokens from `previous` (the last step's, on
+        the device) and computes the greedy tokens and counts. Returns before it runs."""
+        b = self._bucket(int(active.max()) + 1)  # compacted: active slots are 0 .. n - 1
+        topk = None
+        if self.selector is not None:
+            # The SYNTHETIC selector stands in for nothing a real deployment runs (the
+            # indexers still run inside the step): its time is kept out of the step's.
+            topk = self.selector.select(inputs.positions[:b], inputs.request_ids[:b]).block_until_ready()
+        begin = time.perf_counter()
+        # Copies: the loop changes its arrays before the step runs (the CPU may not copy them in).
+        tokens, positions, src = (array[:b].copy() for array in (inputs.tokens, inputs.positions, inputs.src))
+        self.cache, _, result = self.runner.greedy_step(self.cache, tokens, positions, topk, TokenFeed(previous, src))
+        batch = [(int(slot), self.scheduler.running_request(int(slot))) for slot in active]
+        return _InFlight(result, batch, b, begin)
+
+    @staticmethod
+    def _wait(step: _InFlight) -> None:
+        """Blocks until `step`'s results are ready and notes when."""
+        if step.ready_s is None:
+            jax.block_until_ready(step.result)
+            step.ready_s = time.perf_counter()
+
+    @staticmethod
+    def _read(step: _InFlight) -> tuple[np.ndarray, int, int]:
+        """(next tokens i32[R], hits, misses) of `step`: its one device -> host transfer."""
+        next_tokens, hits, misses = jax.device_get(step.result)
+        if step.ready_s is None:
+            step.ready_s = time.perf_counter()
+        return next_tokens, int(hits), int(misses)
 
     def _abort(self) -> None:
         """After a run failed: drops the waiting requests and retires every admitted one (slot,
@@ -349,9 +425,13 @@ class Engine:
             # The failure came after the cache was donated (mid-prefill or mid-step): its arrays
             # are gone, so start over from an empty one.
             self.cache = self._empty_cache()
-        else:
+            return
+        try:
             for slot in slots:
                 self.cache = dataclasses.replace(self.cache, kv=self._end(self.cache.kv, jnp.int32(slot)))
+            jax.block_until_ready(self.cache)
+        except Exception:  # a step that failed on the device poisons what it would have written
+            self.cache = self._empty_cache()
 
     # ---- the loop -----------------------------------------------------------------------------------
 
@@ -387,16 +467,18 @@ class Engine:
         if self.residency is not None:
             self.residency.reset_counts()
         limit = max_concurrency or (len(requests) if arrivals is None else self.config.max_running_requests)
-        R = self.config.max_running_requests
-        tokens = np.zeros(R, np.int32)  # i32[R]: next input token per slot
-        positions = np.full(R, -1, np.int32)  # i32[R]: its position, -1 inactive
-        slot_ids = np.zeros(R, np.int32)  # i32[R]: id of the request in each slot (synthetic selection)
+        inputs = _SlotInputs(self.config.max_running_requests)
         generated: dict[int, list[int]] = {}
+        issued: dict[int, int] = {}  # request id -> tokens emitted or coming from dispatched steps
+        finished: set[int] = set()  # ids of requests whose last token was emitted
         traces: dict[int, RequestTrace] = {}
         steps: list[StepRecord] = []
         pending = collections.deque(requests)
         prefilling: dict[int, tuple[Request, PrefillJob]] = {}  # slot -> prompt being prefilled, oldest first
         in_flight = 0
+        inflight: _InFlight | None = None  # the last dispatched step, its results not read yet
+        previous = None  # i32[R] on the device: the last dispatched step's tokens
+        last_ready = -np.inf  # perf_counter when the last read step's results were ready
         prefill_bar = _bar(progress, total=len(requests) if arrivals is None else None, desc=f"{label} prefill".strip(), unit="req")
         decode_bar = _bar(
             progress, total=sum(r.max_new_tokens for r in requests) if arrivals is None else None,
@@ -404,21 +486,55 @@ class Engine:
         )  # fmt: skip
         start = time.perf_counter()
 
-        def emit(request: Request, slot: int, token: int, now: float) -> bool:
-            """Records one output token; True when the request is done (and retired)."""
+        def emit(request: Request, token: int, now: float) -> bool:
+            """Records one output token; True when it is the request's last (the caller retires it)."""
             nonlocal in_flight
             generated[request.id].append(token)
             traces[request.id].token_times_s.append(now)
             decode_bar.update(1)
             done = len(generated[request.id]) >= request.max_new_tokens or token == request.eos_token_id
             if done:
-                self._retire(slot)
-                positions[slot] = -1
+                finished.add(request.id)
                 in_flight -= 1
             return done
 
+        def retire(slot: int) -> None:
+            self._retire(slot)
+            inputs.positions[slot] = -1
+
+        def advance(step: _InFlight) -> None:
+            """After dispatching `step`: what the host knows without its tokens. Each request's
+            next position; a request whose last token this step makes (max_new_tokens) runs in
+            no later step and retires now, after the step in the device's order."""
+            for slot, request in step.batch:
+                issued[request.id] += 1
+                if issued[request.id] == request.max_new_tokens:
+                    retire(slot)
+                else:
+                    inputs.positions[slot] += 1
+                    inputs.src[slot] = slot  # its next input: this step's token for this slot
+
+        def read(step: _InFlight) -> None:
+            """Reads `step`'s tokens and counts: emits each request's token, retires a request
+            that emitted its EOS. Under the overlap schedule the next step is already dispatched
+            and ran such a request once more: that token is dropped, its KV row lies inside the
+            context its request was admitted with, and end_request clears it with the slot."""
+            nonlocal last_ready
+            next_tokens, hits, misses = self._read(step)
+            now = step.ready_s - start
+            # Its time: since the last step's results (the ITL a client sees), or since its own
+            # dispatch when nothing ran before it.
+            step_s = step.ready_s - max(step.begin_s, last_ready)
+            steps.append(StepRecord(now, step_s, len(step.batch), hits, misses, misses * self.footprint.row_bytes, step.size))
+            last_ready = step.ready_s
+            for slot, request in step.batch:
+                if request.id in finished:
+                    continue  # the step after its EOS: never emitted
+                if emit(request, int(next_tokens[slot]), now) and issued[request.id] < request.max_new_tokens:
+                    retire(self._slot_of(request))  # its EOS, known only now
+
         try:
-            while pending or in_flight or (arrivals is not None and not arrivals.closed):
+            while pending or in_flight or inflight is not None or (arrivals is not None and not arrivals.closed):
                 if arrivals is not None:
                     idle = not pending and not in_flight  # nothing to do but wait for the next arrival
                     for request in arrivals.poll(timeout=0.05 if idle else None):
@@ -437,7 +553,7 @@ class Engine:
                     request, slot = admission.request, admission.slot
                     traces[request.id].admitted_s = time.perf_counter() - start
                     started = self._start(admission)
-                    slot_ids[slot] = request.id
+                    inputs.request_ids[slot] = request.id
                     if isinstance(started, PrefillJob):
                         prefilling[slot] = (request, started)
                     else:
@@ -447,37 +563,37 @@ class Engine:
                     prefill_bar.update(1)
                     if self.residency is not None:
                         self.residency.started_decoding(slot)
+                    issued[request.id] = 0 if first is None else 1
                     if first is None:  # synthetic context: no first token; the last prompt token stands in
-                        tokens[slot], positions[slot] = request.prompt[-1], request.prompt_len
-                    elif not emit(request, slot, first, time.perf_counter() - start):
-                        tokens[slot], positions[slot] = first, request.prompt_len
+                        inputs.start(slot, request.prompt[-1], request.prompt_len)
+                    elif emit(request, first, time.perf_counter() - start):
+                        retire(slot)
+                    else:
+                        inputs.start(slot, first, request.prompt_len)
                 if len(self.buckets) > 1:
-                    self._compact(tokens, positions, slot_ids, prefilling)
-                active = np.flatnonzero(positions >= 0)
-                if active.size == 0:
+                    self._compact(inputs, prefilling)
+                active = np.flatnonzero(inputs.positions >= 0)
+                if active.size == 0 and inflight is None:
                     if prefilling:
                         continue  # prompts still prefilling: the next iteration advances them
                     if self.scheduler.waiting and not admitted:  # check() makes every request fit an idle engine
                         raise RuntimeError("admission stalled with nothing running")
                     continue  # what was admitted finished at prefill (max_new_tokens 1 or EOS): admit again
-                if self.residency is not None:
-                    self._apply(self.residency.rebalance(), positions)
-                b = self._bucket(int(active.max()) + 1)  # compacted: active slots are 0 .. n - 1
-                topk = None
-                if self.selector is not None:
-                    # The SYNTHETIC selector stands in for nothing a real deployment runs (the
-                    # indexers still run inside the step): its time is kept out of the step's.
-                    topk = self.selector.select(positions[:b], slot_ids[:b]).block_until_ready()
-                begin = time.perf_counter()
-                self.cache, logits, telemetry = self.runner.decode_step(self.cache, tokens[:b], positions[:b], topk)
-                next_tokens = np.asarray(self._argmax(logits))  # i32[b]
-                hits, misses = (int(x) for x in self._count(telemetry))
-                end = time.perf_counter()
-                steps.append(StepRecord(end - start, end - begin, int(active.size), hits, misses, misses * self.footprint.row_bytes, b))
-                for slot in active:
-                    token = int(next_tokens[slot])
-                    if not emit(self.scheduler.running_request(slot), slot, token, end - start):
-                        tokens[slot], positions[slot] = token, positions[slot] + 1
+                step = None
+                if active.size:
+                    if self.residency is not None:
+                        self._apply(self.residency.rebalance(), inputs.positions)
+                    if self.selector is not None and inflight is not None:
+                        self._wait(inflight)  # its time ends before the selector of the next step runs
+                    step = self._dispatch(inputs, active, previous)
+                    previous = step.result.next_tokens
+                    advance(step)
+                if inflight is not None:
+                    read(inflight)  # step t's tokens, while step t + 1 runs
+                inflight = step
+                if not self.config.overlap_schedule and inflight is not None:
+                    read(inflight)
+                    inflight = None
         except BaseException:  # interrupts too: a run never keeps slots or pages after it ends
             self._abort()
             raise
@@ -527,9 +643,8 @@ class Engine:
             for b in self.buckets:
                 tokens, positions = np.zeros(b, np.int32), np.full(b, -1, np.int32)  # i32[b]: all inactive
                 topk = None if self.selector is None else self.selector.select(positions, np.zeros(b, np.int32))
-                self.cache, logits, telemetry = self.runner.decode_step(self.cache, tokens, positions, topk)
-                self._argmax(logits).block_until_ready()
-                self._count(telemetry)
+                self.cache, _, result = self.runner.greedy_step(self.cache, tokens, positions, topk)
+                jax.device_get(result)
                 bar.update(1)
             if self.residency is not None:  # residency changes on a free slot: nothing to copy
                 kv, row = self.cache.kv, jnp.full(self.cache.kv.device_page_table.shape[1], -1, jnp.int32)

@@ -83,6 +83,11 @@ _BATCH_BUCKETS = flags.DEFINE_bool(
 _PREFILL_TOKEN_BUDGET = flags.DEFINE_integer(
     "prefill_token_budget", None, "Prefill work per decode step in prompt tokens x layers (None: each prompt whole)."
 )
+_DISABLE_OVERLAP_SCHEDULE = flags.DEFINE_bool(
+    "disable_overlap_schedule", False,
+    "As SGLang's: read each decode step's tokens before dispatching the next. Default: the overlap schedule (step t + 1"
+    " dispatched before step t's tokens are read, so the device never waits for the host's loop); tokens are the same.",
+)  # fmt: skip
 _TP_SIZE = flags.DEFINE_integer("tp_size", 1, "Tensor parallelism: devices the dense and MoE weights are split over.")
 _DP_SIZE = flags.DEFINE_integer("dp_size", 1, "Data-parallel groups: each owns its requests, buffers and host pool block.")
 _ENABLE_DP_ATTENTION = flags.DEFINE_bool(
@@ -170,6 +175,7 @@ def main(argv):
             synthetic_topk_overlap=_SYNTHETIC_TOPK_OVERLAP.value, eos_token_id=_EOS_TOKEN_ID.value,
             page_size=_PAGE_SIZE.value, output_dir=_OUTPUT_DIR.value, implementation=_IMPLEMENTATION.value,
             progress=_PROGRESS.value, batch_buckets=_BATCH_BUCKETS.value, prefill_token_budget=_PREFILL_TOKEN_BUDGET.value,
+            disable_overlap_schedule=_DISABLE_OVERLAP_SCHEDULE.value,
             tp_size=_TP_SIZE.value, dp_size=_DP_SIZE.value,
             enable_dp_attention=_ENABLE_DP_ATTENTION.value, disaggregation_mode=_DISAGGREGATION_MODE.value,
             disaggregation_address=_DISAGGREGATION_ADDRESS.value,

@@ -2,8 +2,9 @@
 
 Per decode step: running requests, hits, misses (summed over layers and requests; a shared-index
 layer's replayed copies count, they move bytes too), host -> device bytes (misses x row bytes),
-wall time of the step (dispatch to sampled tokens on the host). Per request: submit time and
-the time of every token. The summary follows SGLang's bench_serving: output tokens/s over the
+wall time of the step (dispatch to sampled tokens on the host; with the engine's overlap
+schedule, from the previous step's tokens to this one's, the ITL a client sees). Per request:
+submit time and the time of every token. The summary follows SGLang's bench_serving: output tokens/s over the
 run's wall time, TTFT and ITL (mean / p50 / p99, ms), plus the miss rate.
 """
 
@@ -19,8 +20,8 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
     time_s: float  # when the step finished, from the start of the run
-    step_s: float  # wall time of the step
-    running: int  # requests decoded in this step
+    step_s: float  # wall time of the step (overlap schedule: since the previous step's results)
+    running: int  # requests decoded in this step (overlap schedule: with any running one step past its EOS)
     hits: int  # selected rows found on the device, all layers and requests
     misses: int  # rows copied host -> device, all layers and requests
     h2d_bytes: int  # misses x row bytes

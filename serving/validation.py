@@ -90,6 +90,11 @@ def _positive_int(name: str, value) -> None:
         raise UsageError(f"--{name} must be a positive integer, got {value!r}")
 
 
+def _bool(name: str, value) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise UsageError(f"--{name} must be true or false, got {value!r}")
+
+
 def _non_negative_int(name: str, value) -> None:
     if value is not None and (not _is_int(value) or value < 0):
         raise UsageError(f"--{name} must be a non-negative integer, got {value!r}")
@@ -144,6 +149,10 @@ _RULES = {
         ("max_new_tokens", "max_running_requests", "num_prompts", "random_input_len", "random_output_len", "page_size",
          "tp_size", "dp_size"),
         _positive_int,
+    ),  # fmt: skip
+    **dict.fromkeys(
+        ("enable_hisparse", "compare_baseline", "progress", "batch_buckets", "enable_dp_attention", "disable_overlap_schedule"),
+        _bool,
     ),  # fmt: skip
     "seed": _non_negative_int,
     "eos_token_id": _non_negative_int,

@@ -6,6 +6,8 @@ Float32 tiny model with random weights; HiSparse buffers barely above top_k so d
 and evicts; unwritten KV rows are NaN so any stray read would poison the tokens.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -237,7 +239,8 @@ def test_a_failed_run_gives_everything_back(runner, workload, alone, hisparse, f
 
     bad = Request(99, np.zeros(CONTEXT, np.int32), 1)  # prompt + 1 > context_length
     if failure == "decode":
-        monkeypatch.setattr(runner, "decode_step", fail_on_third(runner.decode_step, before_real=True))
+        # greedy_step: the decode step as the engine runs it (models/common/runner.py)
+        monkeypatch.setattr(runner, "greedy_step", fail_on_third(runner.greedy_step, before_real=True))
         with pytest.raises(RuntimeError, match="injected"):
             engine.run(workload)  # 8 requests through 3 slots: some running, some waiting
     elif failure == "prefill":
@@ -449,3 +452,167 @@ def test_dynamic_residency_promotes_and_demotes_with_tokens_as_the_baseline(runn
     assert_everything_free(engine)
     assert engine.residency.pages.num_free == engine.residency.pages.num_pages
     np.testing.assert_array_equal(np.asarray(engine.cache.kv.device_page_table), -1)
+
+
+# ---- the overlap schedule: step t + 1 dispatched before step t's tokens are read ------------------
+
+
+def with_eos(requests, eos):
+    return [dataclasses.replace(r, eos_token_id=eos) for r in requests]
+
+
+def until_eos(tokens, eos):
+    """What a request decoding `tokens` alone emits when it stops at `eos` (inclusive)."""
+    hits = np.flatnonzero(tokens == eos)
+    return tokens[: hits[0] + 1] if hits.size else tokens
+
+
+def extra_steps(expected: dict, requests) -> int:
+    """Steps the overlap schedule runs past an EOS: one per request whose EOS came from a decode
+    step (not its prefill) before its last allowed token; their tokens are never emitted."""
+    by_id = {r.id: r for r in requests}
+    return sum(1 for i, t in expected.items() if t[-1] == by_id[i].eos_token_id and 1 <= len(t) - 1 < by_id[i].max_new_tokens - 1)
+
+
+@pytest.fixture(scope="module")
+def eos_workload(workload, alone):
+    """The workload with one EOS id for all: request 7 emits it mid-run (its 5th token), others
+    may, the rest stop at max_new_tokens. -> (requests, expected tokens per id)."""
+    eos = int(alone[7][4])
+    requests = with_eos(workload, eos)
+    expected = {r.id: until_eos(alone[r.id], eos) for r in requests}
+    assert extra_steps(expected, requests) >= 1  # some EOS mid-run
+    assert any(len(expected[r.id]) == r.max_new_tokens and expected[r.id][-1] != eos for r in requests)  # some by length
+    return requests, expected
+
+
+@pytest.mark.parametrize("case", ["hisparse", "baseline", "prefill_budget", "no_buckets"])
+def test_overlap_schedule_on_and_off_decode_the_same_tokens(runner, eos_workload, case):
+    # 8 requests through 3 slots: joining, leaving by EOS and by length, compaction moving them.
+    requests, expected = eos_workload
+    overrides = dict(baseline=dict(hisparse=None), prefill_budget=dict(prefill_token_budget=1), no_buckets=dict(batch_buckets=False))
+    values = {"hisparse": HISPARSE, **overrides.get(case, {})}
+    running = {}
+    for overlap in (True, False):
+        engine = Engine(runner, engine_config(overlap_schedule=overlap, **values))
+        result = engine.run(requests)
+        for request in requests:
+            np.testing.assert_array_equal(result.tokens[request.id], expected[request.id], err_msg=f"request {request.id}, overlap {overlap}")
+        assert_everything_free(engine)
+        running[overlap] = sum(s.running for s in result.steps)
+    # Without the overlap every step's token is emitted; with it a request stopped by EOS ran one
+    # step more, whose token was dropped.
+    assert running[False] == sum(len(t) - 1 for t in expected.values())
+    assert running[True] == running[False] + extra_steps(expected, requests)
+
+
+def test_overlap_schedule_with_dynamic_residency_and_arrivals(runner, residency_workload):
+    from hisparse_jax.config import ResidencyConfig
+
+    requests, expected = residency_workload
+    eos = int(expected[1][6])  # request 1 stops mid-run, after the others arrived
+    requests = with_eos(requests, eos)
+    residency = ResidencyConfig(mode="adaptive", promote_watermark=0.1, demote_watermark=0.0)
+    hisparse = HiSparseConfig(top_k=16, device_buffer_size=20, host_to_device_ratio=8, dynamic_residency=residency)
+    for overlap in (True, False):
+        engine = Engine(runner, engine_config(hisparse, overlap_schedule=overlap))
+        result = engine.run([], arrivals=_StaggeredArrivals(requests, later=5))
+        for request in requests:
+            np.testing.assert_array_equal(result.tokens[request.id], until_eos(expected[request.id], eos), err_msg=f"request {request.id}")
+        counts = result.summary["residency"]
+        assert counts["promotions"] >= 1 and counts["demotions"] >= 1, counts
+        assert_everything_free(engine)
+        assert engine.residency.pages.num_free == engine.residency.pages.num_pages
+
+
+def test_overlap_schedule_with_the_synthetic_selection(runner, workload):
+    # The selector's draws depend on (request, position) only, so the extra step after an EOS
+    # changes no one's selection; tokens as without the overlap.
+    requests = workload[:4]
+    results = {}
+    for overlap in (True, False):
+        engine = Engine(runner, engine_config(HISPARSE, synthetic_topk_overlap=0.75, overlap_schedule=overlap, batch_buckets=False))
+        results[overlap] = engine.run(requests)
+        assert_everything_free(engine)
+    eos = int(results[False].tokens[requests[0].id][3])
+    eos_results = {}
+    for overlap in (True, False):
+        engine = Engine(runner, engine_config(HISPARSE, synthetic_topk_overlap=0.75, overlap_schedule=overlap, batch_buckets=False))
+        eos_results[overlap] = engine.run(with_eos(requests, eos))
+        assert_everything_free(engine)
+    for request in requests:
+        np.testing.assert_array_equal(results[True].tokens[request.id], results[False].tokens[request.id])
+        np.testing.assert_array_equal(eos_results[True].tokens[request.id], until_eos(results[False].tokens[request.id], eos))
+        np.testing.assert_array_equal(eos_results[False].tokens[request.id], until_eos(results[False].tokens[request.id], eos))
+
+
+def _record_device_work(monkeypatch, engine, events: list) -> None:
+    """Appends to `events`, in program order: ("decode", t) for each decode step dispatched, the
+    name of every other jitted function the engine or its runner calls and of every primitive
+    run eagerly, and ("read", t) the first time the host reads an output of decode step t."""
+    from jax._src import dispatch
+    from jax._src.array import ArrayImpl  # private: the one place every host read of an array goes through
+
+    runner, outputs = engine.runner, {}  # id of a step's output array -> step (the arrays kept alive)
+    kept = []
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if name != "decode":
+                events.append(name)
+                return out
+            step = sum(1 for e in events if isinstance(e, tuple) and e[0] == "decode")
+            events.append(("decode", step))
+            for leaf in jax.tree.leaves(out[3]):  # the StepResult: tokens and counts
+                outputs[id(leaf)] = step
+                kept.append(leaf)
+            return out
+
+        return call
+
+    for name, fn in runner._jitted(engine.cache).items():
+        monkeypatch.setitem(runner._jitted(engine.cache), name, counted(name, fn))
+    for owner in (engine, runner):
+        for name, value in list(vars(owner).items()):
+            if callable(value) and hasattr(value, "lower"):  # a jitted function
+                monkeypatch.setattr(owner, name, counted(name, value))
+    apply_primitive = dispatch.apply_primitive
+    monkeypatch.setattr(dispatch, "apply_primitive", lambda prim, *a, **k: events.append(f"eager {prim}") or apply_primitive(prim, *a, **k))
+    value = ArrayImpl._value
+
+    def read(array):
+        step = outputs.pop(id(array), None)
+        if step is not None and ("read", step) not in events:
+            events.append(("read", step))
+        return value.fget(array)
+
+    monkeypatch.setattr(ArrayImpl, "_value", property(read))
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no_overlap"])
+def test_one_dispatch_per_decode_step_and_tokens_read_after_the_next_dispatch(runner, overlap, monkeypatch):
+    # Three requests of one length, admitted together, ending together: 5 decode steps with
+    # nothing else to do between them.
+    prompts = np.random.default_rng(3).integers(0, TINY.vocab_size, (3, 30)).astype(np.int32)
+    requests = [Request(i, p, 6) for i, p in enumerate(prompts)]
+    engine = Engine(runner, engine_config(HISPARSE, overlap_schedule=overlap))
+    expected = engine.run(requests).tokens  # compiles what the run below calls
+    events = []
+    _record_device_work(monkeypatch, engine, events)
+    result = engine.run(requests)
+    monkeypatch.undo()
+    for request in requests:
+        np.testing.assert_array_equal(result.tokens[request.id], expected[request.id])
+    assert_everything_free(engine)
+    decodes = [i for i, e in enumerate(events) if isinstance(e, tuple) and e[0] == "decode"]
+    assert len(decodes) == len(result.steps) == 5
+    between = events[decodes[0] : decodes[-1] + 1]
+    # One dispatch per decode step: between the first step's and the last's, nothing but steps and reads.
+    assert [e for e in between if not isinstance(e, tuple)] == [], between
+    steps = [e for e in events if isinstance(e, tuple)]
+    if overlap:  # step t's tokens are read only once step t + 1 is dispatched
+        order = [("decode", 0)] + [e for t in range(1, 5) for e in (("decode", t), ("read", t - 1))] + [("read", 4)]
+    else:
+        order = [e for t in range(5) for e in (("decode", t), ("read", t))]
+    assert steps == order

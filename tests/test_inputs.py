@@ -307,6 +307,17 @@ def test_serving_args_use_the_same_value_rules():
         ServingArgs(max_concurrency=(0,))
 
 
+def test_the_overlap_schedule_switch_is_a_serving_flag():
+    # SGLang's --disable-overlap-schedule: a boolean serving reads, checkpoint decoding refuses.
+    assert ServingArgs(disable_overlap_schedule=True).disable_overlap_schedule
+    with pytest.raises(UsageError, match="--disable_overlap_schedule must be true or false, got 'no'"):
+        ServingArgs(disable_overlap_schedule="no")
+    changes = dict(disable_overlap_schedule=True)
+    validation.check_flags(validation.SERVING, flag_values(**changes), present=set(changes))
+    with pytest.raises(UsageError, match="--disable_overlap_schedule is not used by checkpoint decoding"):
+        validation.check_flags(validation.CHECKPOINT_DECODING, flag_values(**changes), present=set(changes))
+
+
 def checkpoint_decode(tmp_path, prompts=GOOD, **changes):
     np.savez(tmp_path / "p.npz", input_ids=prompts)
     kwargs = dict(max_new_tokens=4, dtype="float32", enable_hisparse=True, hisparse_config="")

@@ -33,7 +33,7 @@ def test_dp_attention_engine_equals_single_device(monkeypatch):
     assert isinstance(engine.scheduler, DataParallelScheduler) and len(engine.scheduler.groups) == 2
     # A run failing at its second decode step, both groups busy, two requests waiting: every
     # group gets its slots and pages back, and the run below is as on a fresh engine.
-    decode, calls = engine.runner.decode_step, []
+    decode, calls = engine.runner.greedy_step, []  # the decode step as the engine runs it
 
     def failing(*args):
         calls.append(None)
@@ -41,7 +41,7 @@ def test_dp_attention_engine_equals_single_device(monkeypatch):
             raise RuntimeError("injected")
         return decode(*args)
 
-    monkeypatch.setattr(engine.runner, "decode_step", failing)
+    monkeypatch.setattr(engine.runner, "greedy_step", failing)
     with pytest.raises(RuntimeError, match="injected"):
         engine.run(requests)
     monkeypatch.undo()

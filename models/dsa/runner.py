@@ -30,7 +30,17 @@ from hisparse_jax.kv_cache_ops import begin_request, store_prefill_rows
 from hisparse_jax.state import state_shardings
 from models.common.layers import matmul_implementation
 from models.common.parallel import shard_params
-from models.common.runner import DEFAULT_PREFILL_CHUNK, PrefillJob, padded_prompt_length
+from models.common.runner import (
+    DEFAULT_PREFILL_CHUNK,
+    PrefillJob,
+    StepResult,
+    TokenFeed,
+    fed_tokens,
+    flat_params,
+    padded_prompt_length,
+    step_result,
+    unflat_params,
+)
 from models.dsa.decoding import (
     DecodeCache,
     StepTelemetry,
@@ -67,6 +77,15 @@ def _store_index_keys(cache_keys, j, request, keys, key_scales, prompt_len):
     positions = jnp.arange(keys.shape[0])
     target = jnp.where(positions < prompt_len, positions, index_keys.shape[2])
     return write_index_keys(index_keys, index_key_scales, j, request, target, keys, key_scales)
+
+
+def _greedy_decode_step(step, treedef, params, cache, tokens, positions, topk=None, previous=None, src=None):
+    """A whole engine decode step in one jit: the input tokens fed on the device (fed_tokens:
+    previous i32[R], src i32[b]), `step` (decode_step, graphdef and keywords bound), the greedy
+    tokens and summed counts -> (cache, logits f32[b, V], StepTelemetry, StepResult). params: the
+    runner's leaves (flat_params) or an nnx.State."""
+    cache, logits, telemetry = step(unflat_params(treedef, params), cache, fed_tokens(tokens, previous, src), positions, topk)
+    return cache, logits, telemetry, step_result(logits, telemetry, cache.kv.num_requests)
 
 
 def resolved_shared_prefetch(parallel, implementation: str | None, shared_prefetch: str | None = None) -> str:
@@ -111,6 +130,8 @@ class ModelRunner:
         self.graphdef, self.params = nnx.split(model)
         if self.mesh is not None:
             self.params = shard_params(self.params, self.mesh, parallel)
+        self._param_leaves, self._param_treedef = flat_params(self.params)  # what each decode step is handed
+        self._zeros = {}  # R -> i32[R] where the step's tokens live (_no_tokens)
         # Per-layer views of the same parameter arrays, for the layer-by-layer prefill.
         self._layers = [(nnx.split(layer)[0], self.params["layers"][l]) for l, layer in enumerate(model.layers)]
         self._prefill_layer = jax.jit(
@@ -140,8 +161,6 @@ class ModelRunner:
         kind = type(cache.kv)
         if kind not in self._cache_fns:
             kv_out = state_shardings(cache.kv)
-            # Logits and telemetry: the default device alone, or wherever the mesh puts them.
-            rest = memory.sharding(memory.DEVICE) if self.mesh is None else None
             store = functools.partial(store_prefill_rows, implementation=self.implementation)
             if self.mesh is not None:  # only the owning data-parallel group writes, into its own pool
                 store = functools.partial(dp_sharding.store_prefill_rows, self.mesh, implementation=self.implementation)
@@ -152,15 +171,42 @@ class ModelRunner:
                     _store_index_keys, donate_argnums=0, out_shardings=(cache.index_keys.sharding, cache.index_key_scales.sharding)
                 ),
                 move=jax.jit(move_request, donate_argnums=0, out_shardings=cache_shardings(cache)),
-                decode=jax.jit(
+                decode=self.jit_decode(
+                    cache,
                     functools.partial(
                         decode_step, self.graphdef, implementation=self.implementation, mesh=self.mesh, shared_prefetch=self.shared_prefetch
                     ),
-                    donate_argnums=1,
-                    out_shardings=(cache_shardings(cache), rest, rest),
                 ),
             )
         return self._cache_fns[kind]
+
+    def _result_shardings(self) -> StepResult:
+        """Where a step's StepResult lives: the tokens where the next step takes `previous` from
+        (split over the requests with a mesh), so every step compiles once whoever fed the last."""
+        if self.mesh is None:
+            device = memory.sharding(memory.DEVICE)
+            return StepResult(device, device, device)
+        whole = NamedSharding(self.mesh, P())
+        return StepResult(NamedSharding(self.mesh, P(dp_sharding.REQUEST_AXIS)), whole, whole)
+
+    def jit_decode(self, cache: DecodeCache, step, **options):
+        """`step` (decode_step with its graphdef and keywords bound) jitted as the engine runs it
+        (_greedy_decode_step): the cache donated and kept where it is, params as leaves, tokens fed,
+        greedy tokens and counts out of the same jit. options: more jax.jit arguments."""
+        # Logits and telemetry: the default device alone, or wherever the mesh puts them.
+        rest = memory.sharding(memory.DEVICE) if self.mesh is None else None
+        return jax.jit(
+            functools.partial(_greedy_decode_step, step, self._param_treedef),
+            donate_argnums=1,
+            out_shardings=(cache_shardings(cache), rest, rest, self._result_shardings()),
+            **options,
+        )
+
+    def _no_tokens(self, num_slots: int) -> jax.Array:
+        """i32[R] zeros where a step's tokens live: `previous` when nothing is fed."""
+        if num_slots not in self._zeros:
+            self._zeros[num_slots] = jax.device_put(np.zeros(num_slots, np.int32), self._result_shardings().next_tokens)
+        return self._zeros[num_slots]
 
     def create_cache(self, *, num_requests: int, max_context: int, hisparse: HiSparseConfig | None = None, **kwargs) -> DecodeCache:
         """create_cache for this model, in the runner's kv_cache_dtype unless kwargs name another."""
@@ -252,15 +298,31 @@ class ModelRunner:
     def decode_step(self, cache: DecodeCache, tokens, positions, topk=None) -> tuple[DecodeCache, jax.Array, StepTelemetry]:
         """decode_step jitted with the cache donated: tokens i32[b], positions i32[b] (-1 inactive)
         for slots 0 .. b - 1, b <= R; topk None or i32[J, b, K] (overrides the indexers'
-        selection, see decode_step). Each distinct b compiles once."""
+        selection, see decode_step) -> (cache, logits f32[b, V], telemetry). Each distinct b
+        compiles once, the same function as greedy_step's."""
+        cache, logits, telemetry, _ = self._step(cache, tokens, positions, topk, None)
+        return cache, logits, telemetry
+
+    def greedy_step(self, cache: DecodeCache, tokens, positions, topk=None, feed: TokenFeed | None = None) -> tuple[DecodeCache, jax.Array, StepResult]:
+        """decode_step as the engine runs it, one dispatch: feed says where the input tokens come
+        from (TokenFeed: the last step's tokens on the device, per slot; None: all from `tokens`)
+        -> (cache, logits f32[b, V], StepResult: greedy tokens i32[R] and summed counts)."""
+        cache, logits, _, result = self._step(cache, tokens, positions, topk, feed)
+        return cache, logits, result
+
+    def _step(self, cache: DecodeCache, tokens, positions, topk, feed: TokenFeed | None):
         if topk is not None and self.mesh is not None:
             topk = jax.device_put(topk, NamedSharding(self.mesh, P(None, dp_sharding.REQUEST_AXIS)))
+        previous = None if feed is None else feed.previous
+        src = np.full(len(tokens), -1, np.int32) if feed is None else feed.src  # i32[b]: -1, the host's token
         return self._jitted(cache)["decode"](
-            self.params,
+            self._param_leaves,
             cache,
             self._put(tokens, jnp.int32, per_request=True),
             self._put(positions, jnp.int32, per_request=True),
             topk,
+            self._no_tokens(cache.kv.num_requests) if previous is None else previous,
+            self._put(src, jnp.int32, per_request=True),
         )
 
 
