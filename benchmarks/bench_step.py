@@ -13,12 +13,13 @@ call from the profiler (benchmarks/device_timing.py), median of --calls; floor =
 experts' weight bytes (+ fp8 scales) / 4.8 TB/s.
 
 Step: the serving benchmark's model (benchmarks/helpers.bench_model_config: 4 layers, 16 experts,
-DeepSeek-V3.2 attention, random weights), HiSparse with fp8 KV and SYNTHETIC 32k contexts
-(random KV written straight into the host pool, SYNTHETIC 0.9-overlap selection), one engine
-whose batch buckets are the --running sizes; per size, --steps timed decode steps after
---warm_steps (ITL: StepRecord durations, median and spread). At the largest size a profiler trace
-of the timed steps gives the GPU's idle share: 1 - (kernel time, overlaps merged) / (the window
-from the first to the last step's swap-in plan).
+DeepSeek-V3.2 attention, random weights), fp8 KV, SYNTHETIC 32k contexts (random KV, no prefill),
+the model's own selection, every row on the device (--step_mode baseline: the model's step alone,
+what the roofline is about; hisparse adds the swap-in), one engine with the overlap schedule whose
+batch buckets are the --running sizes; per size, --steps timed decode steps after --warm_steps
+(ITL: StepRecord durations, median and spread). At the largest size a profiler trace of the run
+gives the GPU's idle share over its decode steps: 1 - (kernel time, overlaps merged) / (the window
+from the first timed step's first indexer kernel to the last step's).
 
 Writes $OUT/bench_step.json: "moe": [{model, tokens, weights_dtype, implementation, us, floor_us,
 ratio, max_rel_err, ...}], "step": [{running, ms, ...}], "host_idle_fraction", and step_time.png.
@@ -46,7 +47,11 @@ PARSER.add_argument("--num_experts", type=int, default=16)
 PARSER.add_argument("--weights_dtype", default="bfloat16", help="the step model's weights: bfloat16 or fp8_e4m3")
 PARSER.add_argument("--warm_steps", type=int, default=3)
 PARSER.add_argument("--steps", type=int, default=10)
-PARSER.add_argument("--overlap", type=float, default=0.9)
+PARSER.add_argument("--step_mode", default="baseline", choices=("baseline", "hisparse"),
+                    help="the step sweep's KV: all on the device (the model's step alone) or HiSparse")
+PARSER.add_argument("--overlap", type=float, default=-1.0,
+                    help="SYNTHETIC selection overlap for the step sweep; negative: the model's own selection. (The engine"
+                         " waits for each step before running the SYNTHETIC selector, so its overlap schedule is off then.)")
 PARSER.add_argument("--time_budget_s", type=float, default=480.0)
 ARGS = PARSER.parse_args()
 os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "100")
@@ -151,7 +156,7 @@ def moe_case(model_name: str, weights_dtype: str, tokens: list[int]):
 def window_idle_fraction(events, num_layers: int, first_step: int) -> dict:
     """GPU idle share over the decode steps from `first_step` on: the window runs from that
     step's first swap-in plan to the last step's first plan; kernel intervals merged."""
-    plans = [e for e in events if "swap_in_plan" in e.name]
+    plans = [e for e in events if "indexer_scores" in e.name]  # one per layer and step (every layer has its indexer)
     starts = [plans[i].start_ns for i in range(0, len(plans), num_layers)]
     if len(starts) < first_step + 2:
         return {"error": f"{len(starts)} steps seen in the trace"}
@@ -179,13 +184,18 @@ def step_section():
     model = DSAForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     runner = ModelRunner(model, kv_cache_dtype="fp8_e4m3" if not ARGS.smoke else "auto")
     top_k = config.index_topk
-    hisparse = HiSparseConfig(top_k=top_k, device_buffer_size=2 * top_k, host_to_device_ratio=2)
+    hisparse = None
+    if ARGS.step_mode == "hisparse":
+        hisparse = HiSparseConfig(top_k=top_k, device_buffer_size=2 * top_k, host_to_device_ratio=2)
     new_tokens = ARGS.warm_steps + ARGS.steps + 1
     engine_config = EngineConfig(
         max_running_requests=R, context_length=context + new_tokens, hisparse=hisparse, synthetic_context=True,
-        synthetic_topk_overlap=ARGS.overlap, batch_buckets=tuple(sizes),
-        num_host_pages=R * -(-(context + new_tokens) // 16),
+        synthetic_topk_overlap=ARGS.overlap if ARGS.overlap >= 0 else None, batch_buckets=tuple(sizes),
+        num_host_pages=None if hisparse is None else R * -(-(context + new_tokens) // 16),
     )  # fmt: skip
+    RESULTS["step_setup"] = dict(mode=ARGS.step_mode, selection="model" if ARGS.overlap < 0 else f"SYNTHETIC({ARGS.overlap})",
+                                 context=context, kv_cache_dtype="fp8_e4m3", layers=config.num_layers,
+                                 experts=config.n_routed_experts, weights=ARGS.weights_dtype, overlap_schedule=True)  # fmt: skip
     engine = Engine(runner, engine_config)
     engine.compile_buckets()
     rng = np.random.default_rng(0)
