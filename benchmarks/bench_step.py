@@ -248,15 +248,15 @@ def plot():
 def main():
     RESULTS["device"] = str(jax.devices()[0].device_kind)
     log(f"jax {jax.__version__} on {jax.devices()}; tokamax {'available' if tokamax_mosaic.available() else 'absent'}")
-    sections = ARGS.sections.split(",")
-    if "moe" in sections:
-        models = ["tiny"] if ARGS.smoke else ARGS.moe_models.split(",")
-        for i, name in enumerate(models):
-            tokens = [int(t) for t in (ARGS.tokens if i == 0 else ARGS.later_model_tokens).split(",")]
-            for dtype in ("bfloat16", "fp8_e4m3"):
-                attempt(RESULTS["errors"], f"moe {name} {dtype}", lambda name=name, dtype=dtype, tokens=tokens: moe_case(name, dtype, tokens))
-    if "step" in sections:
-        attempt(RESULTS["errors"], "step", step_section)
+    for section in ARGS.sections.split(","):  # in the order given
+        if section == "moe":
+            models = ["tiny"] if ARGS.smoke else ARGS.moe_models.split(",")
+            for i, name in enumerate(models):
+                tokens = [int(t) for t in (ARGS.tokens if i == 0 else ARGS.later_model_tokens).split(",")]
+                for dtype in ("bfloat16", "fp8_e4m3"):
+                    attempt(RESULTS["errors"], f"moe {name} {dtype}", lambda name=name, dtype=dtype, tokens=tokens: moe_case(name, dtype, tokens))
+        elif section == "step":
+            attempt(RESULTS["errors"], "step", step_section)
     save()
     plot()
     log("done; errors:", len(RESULTS["errors"]))
