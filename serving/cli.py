@@ -52,6 +52,7 @@ from serving.validation import (
     CheckpointDecode,
     check_family_serving,
     check_flag,
+    check_residency_serving,
     checkpoint_config,
     flag_errors,
     resolve_hisparse_config,
@@ -81,7 +82,9 @@ class ServingArgs:
     max_concurrency: tuple[int, ...] = ()  # () : max_running_requests
     seed: int = 0
     compare_baseline: bool = True
-    device_buffer_sweep: tuple[int, ...] = ()
+    # HiSparse device_buffer_size values swept at the highest concurrency; None: top_k x (1, 2, 4)
+    # with HiSparse, none without (run_decode's default when the flag is not set)
+    device_buffer_sweep: tuple[int, ...] | None = ()
     synthetic_topk_overlap: float | None = None
     eos_token_id: int | None = None
     page_size: int = 16
@@ -113,7 +116,8 @@ class ServingArgs:
             if not self.parallel.is_single_device:
                 raise UsageError("--disaggregation_mode runs one device per instance here; drop --tp_size/--dp_size")
         if not self.enable_hisparse and self.device_buffer_sweep:
-            raise UsageError("--device_buffer_sweep needs --enable_hisparse")
+            raise UsageError("--device_buffer_sweep needs --enable_hisparse (it sweeps HiSparse's buffer); drop one of them")
+        check_residency_serving(dataclasses.asdict(self))
         check_prefetch_environment(self.implementation)
 
     @property
@@ -132,6 +136,14 @@ class ServingArgs:
         if self.synthetic_topk_overlap is None:
             return "model selection"
         return f"SYNTHETIC top-k, overlap {self.synthetic_topk_overlap:g}"
+
+
+def buffer_sweep(args: ServingArgs, hisparse: HiSparseConfig) -> tuple[int, ...]:
+    """The device_buffer_size values to sweep: the flag's, or by default 1, 2 and 4 x top_k with
+    HiSparse (16, 32, 64 on the tiny models) and none without."""
+    if args.device_buffer_sweep is not None:
+        return args.device_buffer_sweep
+    return tuple(f * hisparse.top_k for f in (1, 2, 4)) if args.enable_hisparse else ()
 
 
 def model_config(args: ServingArgs):
@@ -210,7 +222,7 @@ def _prepare(args: ServingArgs) -> _Prepared:
     if context > config.max_position_embeddings:
         source = f"--context_length={context}" if args.context_length else f"the workload's longest request ({context} tokens)"
         raise UsageError(f"{source} exceeds the model's max_position_embeddings ({config.max_position_embeddings})")
-    for size in args.device_buffer_sweep:
+    for size in buffer_sweep(args, hisparse):
         if size < hisparse.top_k:
             raise UsageError(f"--device_buffer_sweep: device_buffer_size ({size}) must be >= top_k ({hisparse.top_k})")
     model, model_name = load_model(args)
@@ -271,7 +283,7 @@ def run_serving(args: ServingArgs) -> dict:
             if mode == "hisparse" and concurrency == max(concurrencies):
                 reusable = run
             write_json(json_path, results)  # partial results survive an interruption
-    for size in args.device_buffer_sweep:
+    for size in buffer_sweep(args, hisparse):
         num_host_pages = host_pages or _host_pages(hisparse, args)
         if size == hisparse.device_buffer_size and reusable is not None:
             run = reusable  # the same configuration, already measured above

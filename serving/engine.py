@@ -209,7 +209,7 @@ class Engine:
         except ValueError as error:  # a hisparse_config the model cannot run, e.g. its top_k
             raise UsageError(str(error)) from None
         if hisparse is not None and hisparse.dynamic_residency is not None and runner.mesh is not None:
-            raise UsageError("dynamic_residency does not run with data-parallel attention yet (one device pool per engine)")
+            raise UsageError("dynamic_residency runs on one device only yet (one device pool per engine); drop the mesh")
         self.cache: DecodeCache = self._empty_cache()
         # Data-parallel attention (runner.mesh): each group schedules its own slots, host pool
         # block and share of the device budget, as SGLang's DP ranks do.

@@ -41,9 +41,10 @@ _OUTPUT = flags.DEFINE_string("output", None, "Checkpoint decoding: .npz to writ
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 16, "Checkpoint decoding: tokens to generate per prompt.")
 _ENABLE_HISPARSE = flags.DEFINE_bool("enable_hisparse", True, "KV in pinned host memory, a hot buffer per request on the device (--noenable_hisparse: baseline only).")
 _HISPARSE_CONFIG = flags.DEFINE_string(
-    "hisparse_config", '{"host_to_device_ratio": 8}',
-    "HiSparse settings as JSON, as SGLang's --hisparse-config; top_k defaults to the model's index_topk,"
-    " device_buffer_size to 2 x top_k. Default: SGLang's colocated host_to_device_ratio 8.",
+    "hisparse_config", "",
+    "HiSparse settings as JSON, as SGLang's --hisparse-config (its flat dynamic_residency_* keys too); keys left out:"
+    " top_k the model's index_topk, device_buffer_size 2 x top_k, host_to_device_ratio 8 (SGLang's colocated"
+    " setting), swap_in_block_size 960.",
 )  # fmt: skip
 _CONTEXT_LENGTH = flags.DEFINE_integer("context_length", None, "Most tokens (prompt + output) per request; default: the workload's longest.")
 _MAX_RUNNING_REQUESTS = flags.DEFINE_integer("max_running_requests", 8, "Request slots: the static decode batch.")
@@ -65,7 +66,11 @@ _RANDOM_RANGE_RATIO = flags.DEFINE_float("random_range_ratio", 0.5, "Lengths are
 _MAX_CONCURRENCY = flags.DEFINE_string("max_concurrency", "1,4,8", "Requests in flight at most; a comma list sweeps it.")
 _SEED = flags.DEFINE_integer("seed", 0, "Workload, random weights and synthetic selection seed.")
 _COMPARE_BASELINE = flags.DEFINE_bool("compare_baseline", True, "Also run the full-KV baseline on the same workload and budget.")
-_DEVICE_BUFFER_SWEEP = flags.DEFINE_string("device_buffer_sweep", "16,32,64", "HiSparse device_buffer_size values to sweep at the highest concurrency ('' : none).")
+_DEVICE_BUFFER_SWEEP = flags.DEFINE_string(
+    "device_buffer_sweep", None,
+    "HiSparse device_buffer_size values to sweep at the highest concurrency ('': none). Default: 1, 2 and 4 x top_k"
+    " with HiSparse (16,32,64 on the tiny models), none with --noenable_hisparse.",
+)  # fmt: skip
 _SYNTHETIC_TOPK_OVERLAP = flags.DEFINE_float(
     "synthetic_topk_overlap", None,
     "SYNTHETIC decode selection: consecutive top-k sets share this fraction (miss-rate study; outputs labelled synthetic).",
@@ -171,7 +176,8 @@ def main(argv):
             random_output_len=_RANDOM_OUTPUT_LEN.value, random_range_ratio=_RANDOM_RANGE_RATIO.value,
             max_concurrency=validation.parse_int_list("--max_concurrency", _MAX_CONCURRENCY.value), seed=_SEED.value,
             compare_baseline=_COMPARE_BASELINE.value,
-            device_buffer_sweep=validation.parse_int_list("--device_buffer_sweep", _DEVICE_BUFFER_SWEEP.value),
+            device_buffer_sweep=None if _DEVICE_BUFFER_SWEEP.value is None else validation.parse_int_list(
+                "--device_buffer_sweep", _DEVICE_BUFFER_SWEEP.value),
             synthetic_topk_overlap=_SYNTHETIC_TOPK_OVERLAP.value, eos_token_id=_EOS_TOKEN_ID.value,
             page_size=_PAGE_SIZE.value, output_dir=_OUTPUT_DIR.value, implementation=_IMPLEMENTATION.value,
             progress=_PROGRESS.value, batch_buckets=_BATCH_BUCKETS.value, prefill_token_budget=_PREFILL_TOKEN_BUDGET.value,

@@ -26,6 +26,7 @@ import numpy as np
 from configs.deepseek_v4 import DeepseekV4Config
 from configs.minimax_m3 import MiniMaxM3Config
 from configs.model import DSAModelConfig
+from hisparse_jax import config as hisparse_config
 from hisparse_jax.config import HiSparseConfig, HiSparseConfigError
 from models import registry
 from models.common import inputs
@@ -46,6 +47,9 @@ DTYPE_NAMES = ("bfloat16", "float32")
 KV_CACHE_DTYPE_NAMES = ("auto", "bfloat16", "fp8_e4m3")
 IMPLEMENTATIONS = ("reference", "pallas")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
+# --hisparse_config keys the user's JSON leaves out take these (then HiSparseConfig's, SGLang's):
+# run_decode serves colocated, SGLang's host_to_device_ratio 8 (docs/background.md).
+HISPARSE_DEFAULTS = {"host_to_device_ratio": 8}
 
 # run_decode.py's modes and the flags each reads. Serving (colocated or a PD instance) reads every
 # flag but checkpoint decoding's own; a flag set on the command line that the mode does not read
@@ -90,6 +94,11 @@ def _positive_int(name: str, value) -> None:
         raise UsageError(f"--{name} must be a positive integer, got {value!r}")
 
 
+def _optional_positive_int(name: str, value) -> None:
+    if value is not None:
+        _positive_int(name, value)
+
+
 def _bool(name: str, value) -> None:
     if not isinstance(value, (bool, np.bool_)):
         raise UsageError(f"--{name} must be true or false, got {value!r}")
@@ -129,6 +138,8 @@ def _kv_budget_gb(name: str, value) -> None:
 
 
 def _int_list(name: str, value) -> None:
+    if value is None:  # the flag's default, resolved later (--device_buffer_sweep: from top_k)
+        return
     if isinstance(value, str):
         parse_int_list(f"--{name}", value)
     elif not all(_is_int(v) and v >= 1 for v in value):
@@ -136,7 +147,7 @@ def _int_list(name: str, value) -> None:
 
 
 def _hisparse_json(name: str, value) -> None:
-    _hisparse_values(value)
+    dynamic_residency(value)  # valid JSON, an object, SGLang's spellings read
 
 
 _RULES = {
@@ -154,6 +165,7 @@ _RULES = {
         ("enable_hisparse", "compare_baseline", "progress", "batch_buckets", "enable_dp_attention", "disable_overlap_schedule"),
         _bool,
     ),  # fmt: skip
+    "prefill_token_budget": _optional_positive_int,
     "seed": _non_negative_int,
     "eos_token_id": _non_negative_int,
     "context_length": _context_length,
@@ -188,6 +200,9 @@ def check_flags(mode: str, values: Mapping[str, Any], present: Collection[str]) 
             raise UsageError("--model is not used with --checkpoint (its config.json is the model); drop one of them")
         if "disaggregation_address" in present and values["disaggregation_mode"] == "null":
             raise UsageError("--disaggregation_address is not used without --disaggregation_mode=prefill|decode")
+        if "device_buffer_sweep" in present and not values["enable_hisparse"]:
+            raise UsageError("--device_buffer_sweep needs --enable_hisparse (it sweeps HiSparse's buffer); drop one of them")
+        check_residency_serving(values)
         if values["checkpoint"] is None:
             check_family_serving(MODELS[values["model"]](), values)
     if unused:
@@ -219,7 +234,24 @@ def check_family_serving(config, values: Mapping[str, Any]) -> None:
         raise UsageError(f"--prefill_token_budget: {name} serving prefills each prompt whole (one forward pass); drop it")
     if values["batch_buckets"]:
         raise UsageError(f"--batch_buckets: {name} serving decodes all --max_running_requests slots each step; drop it")
+    if values["enable_hisparse"] and dynamic_residency(values["hisparse_config"]):
+        raise UsageError(f"--hisparse_config: dynamic_residency is not supported by {name} serving yet; drop it")
 
+
+def dynamic_residency(text: str) -> bool:
+    """Whether --hisparse_config asks for dynamic residency (either spelling); no model needed."""
+    try:
+        return hisparse_config.normalized(_hisparse_values(text)).get("dynamic_residency") is not None
+    except HiSparseConfigError as error:
+        raise UsageError(f"--hisparse_config: {error}") from None
+
+
+def check_residency_serving(values: Mapping[str, Any]) -> None:
+    """Dynamic residency keeps one device pool of pages per engine: one device only, for now."""
+    if not values["enable_hisparse"] or not dynamic_residency(values["hisparse_config"]):
+        return
+    if values["tp_size"] != 1 or values["dp_size"] != 1 or values["enable_dp_attention"]:
+        raise UsageError("--hisparse_config: dynamic_residency runs on one device only yet; drop --tp_size/--dp_size/--enable_dp_attention")
 
 
 def _hisparse_values(text: str) -> dict:
@@ -234,14 +266,16 @@ def _hisparse_values(text: str) -> dict:
 
 def resolve_hisparse_config(text: str, model) -> HiSparseConfig:
     """`--hisparse_config` JSON with top_k defaulting to the model's selection width (and
-    device_buffer_size to 2 x top_k, as SGLang); a top_k other than the model's is refused.
+    device_buffer_size to 2 x top_k, as SGLang), host_to_device_ratio to run_decode's 8
+    (HISPARSE_DEFAULTS: a key the JSON leaves out keeps it); a top_k other than the model's is
+    refused. SGLang's flat dynamic_residency_* keys are read too (hisparse_jax.config.normalized).
 
     The selection width is the family's (models.registry): index_topk for DSA models and
     DeepSeek-V4; for MiniMax-M3 it is fixed by the model (index_topk_blocks x index_block_size)
     and a top_k is not applied to it. device_buffer_size is the family's device buffer: DSA, the
     hot rows per request and layer; DeepSeek-V4, the C4 entry buffer per request and CSA layer;
     MiniMax-M3, the working set per request, KV group and sparse layer."""
-    values = _hisparse_values(text)
+    values = {**HISPARSE_DEFAULTS, **_hisparse_values(text)}
     values.setdefault("top_k", registry.family_of_config(model).selection_width(model))
     try:
         hisparse = HiSparseConfig.from_dict(values)

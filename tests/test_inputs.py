@@ -351,3 +351,58 @@ def test_validation_refuses_before_jax_starts():
     code = "import sys, serving.validation; print(sorted(m for m in ('jax', 'flax') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+# ---- defaults the user never set, and refusals before JAX starts (issue 25) -----------------------
+
+
+def test_noenable_hisparse_alone_is_accepted_and_sweeps_nothing():
+    # --device_buffer_sweep's default depends on HiSparse: none without it, top_k x (1, 2, 4) with it.
+    from serving import cli
+
+    values = flag_values(enable_hisparse=False, device_buffer_sweep=None)
+    validation.check_flags(validation.SERVING, values, present={"enable_hisparse"})
+    args = ServingArgs(enable_hisparse=False, device_buffer_sweep=None)
+    assert cli.buffer_sweep(args, HiSparseConfig(top_k=16, device_buffer_size=32)) == ()
+    assert cli.buffer_sweep(ServingArgs(device_buffer_sweep=None), HiSparseConfig(top_k=16, device_buffer_size=32)) == (16, 32, 64)
+    assert cli.buffer_sweep(ServingArgs(device_buffer_sweep=(20,)), HiSparseConfig(top_k=16, device_buffer_size=32)) == (20,)
+    changes = dict(enable_hisparse=False, device_buffer_sweep="16,32")  # set by the user: refused
+    with pytest.raises(UsageError, match="--device_buffer_sweep needs --enable_hisparse"):
+        validation.check_flags(validation.SERVING, flag_values(**changes), present=set(changes))
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"top_k": 16}', '{"dynamic_residency": {"mode": "adaptive"}}', '{"dynamic_residency": true, "dynamic_residency_mode": "adaptive"}', ""],
+    ids=["top_k", "nested_residency", "sglang_flat_residency", "empty"],
+)
+def test_hisparse_config_keys_left_out_keep_the_cli_defaults(text):
+    # Any JSON used to fall back to the library's host_to_device_ratio 2 (HiSparse capacity 2 vs
+    # the baseline's 3 in the README's dynamic-residency example); now keys left out keep run_decode's 8.
+    config = validation.resolve_hisparse_config(text, TINY)
+    assert (config.top_k, config.device_buffer_size, config.host_to_device_ratio) == (16, 32, 8)
+    assert validation.resolve_hisparse_config('{"host_to_device_ratio": 3}', TINY).host_to_device_ratio == 3
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(prefill_token_budget=0), r"^--prefill_token_budget must be a positive integer, got 0"),
+        (dict(model="deepseek_v4_tiny", hisparse_config='{"dynamic_residency": {"mode": "adaptive"}}'),
+         r"^--hisparse_config: dynamic_residency is not supported by DeepSeek-V4 serving yet"),
+        (dict(model="minimax_m3_tiny", hisparse_config='{"dynamic_residency": true}'),
+         r"^--hisparse_config: dynamic_residency is not supported by MiniMax-M3 serving yet"),
+        (dict(tp_size=2, hisparse_config='{"dynamic_residency": {"mode": "adaptive"}}'),
+         r"^--hisparse_config: dynamic_residency runs on one device only yet; drop --tp_size"),
+        (dict(hisparse_config='{"dynamic_residency_mode": "adaptive"}'), r'^--hisparse_config: dynamic_residency_mode needs "dynamic_residency": true'),
+    ],
+    ids=["prefill_budget", "v4_residency", "m3_residency", "tp_residency", "flat_without_switch"],
+)
+def test_serving_refusals_before_jax_name_the_flag(changes, message):
+    with pytest.raises(UsageError, match=message):
+        validation.check_flags(validation.SERVING, flag_values(**changes), present=set(changes))
+    values = {k: v for k, v in changes.items()}
+    with pytest.raises(UsageError, match=message.lstrip("^")):  # ServingArgs / _prepare apply the same rules
+        from serving import cli
+
+        cli._prepare(ServingArgs(**values))

@@ -107,6 +107,12 @@ BAD_INPUT = {
     "unused_in_serving": (serving("--max_new_tokens=8"), "--max_new_tokens is not used by serving"),
     "positional": (serving("extra"), "unexpected arguments ['extra']"),
     "kv_cache_dtype": (serving("--kv_cache_dtype=int4"), "--kv_cache_dtype='int4': use one of ('auto', 'bfloat16', 'fp8_e4m3')"),
+    "prefill_budget": (serving("--prefill_token_budget=0"), "--prefill_token_budget must be a positive integer, got 0"),
+    "v4_residency": (serving("--model=deepseek_v4_tiny", '--hisparse_config={"dynamic_residency": {"mode": "adaptive"}}'),
+                     "--hisparse_config: dynamic_residency is not supported by DeepSeek-V4 serving yet"),
+    "tp_residency": (serving("--tp_size=2", '--hisparse_config={"dynamic_residency": true}'),
+                     "--hisparse_config: dynamic_residency runs on one device only yet"),
+    "sweep_without_hisparse": (serving("--noenable_hisparse", "--device_buffer_sweep=16"), "--device_buffer_sweep needs --enable_hisparse"),
     # checkpoint decoding: prompts
     "vocab": (checkpoint_decoding("vocab.npz"), "input_ids holds token id 512 outside the vocabulary [0, 512)"),
     "negative": (checkpoint_decoding("negative.npz"), "outside the vocabulary [0, 512)"),
@@ -152,6 +158,16 @@ def test_bad_input_ends_with_one_line_and_status_2(tmp_path, flags, message):
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message.replace("{tmp}", str(tmp_path)) in errors[0], done.stderr[-2000:]
     assert sorted(tmp_path.rglob("*")) == before  # nothing written, not even the output directory
+
+
+def test_noenable_hisparse_alone_serves_the_baseline(tmp_path):
+    # The default --device_buffer_sweep (HiSparse's) used to refuse this: a default the user never set.
+    done = run_decode(f"--output_dir={tmp_path}", "--noenable_hisparse", "--num_prompts=2", "--random_input_len=16",
+                      "--random_output_len=4", "--max_concurrency=2", "--noprogress")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "results.json") as f:
+        results = json.load(f)
+    assert [p["mode"] for p in results["points"]] == ["baseline"] and results["buffer_sweep"] == []
 
 
 def test_unknown_flag_is_one_line_and_status_2(tmp_path):
