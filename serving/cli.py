@@ -263,6 +263,7 @@ def run_serving(args: ServingArgs) -> dict:
                           seed=args.seed, output_tokens=sum(r.max_new_tokens for r in requests)),
         ),  # fmt: skip
         capacity={},
+        kv_bytes_per_request={},  # mode -> {tokens (context_length), device, host}
         points=[],
         buffer_sweep=[],
     )
@@ -273,6 +274,7 @@ def run_serving(args: ServingArgs) -> dict:
     for mode in args.modes:
         engine = _engine(runner, args, hisparse if mode == "hisparse" else None, context, budget)
         results["capacity"][mode] = engine.capacity(context)
+        results["kv_bytes_per_request"][mode] = engine.kv_bytes_per_request()
         if mode == "hisparse":
             host_pages = engine.cache.kv.num_host_pages
         engine.warmup(requests, progress=args.progress)
@@ -299,7 +301,8 @@ def run_serving(args: ServingArgs) -> dict:
         results["buffer_sweep"].append(point)
         tokens["buffer", size] = run.tokens
         write_json(json_path, results)
-    results["tokens_identical"] = _all_identical(tokens, [r.id for r in requests])
+    # None when a single run leaves nothing to compare
+    results["tokens_identical"] = _all_identical(tokens, [r.id for r in requests]) if len(tokens) > 1 else None
     results["files"] = _plot(results, args.output_dir, prefix, args.label)
     write_json(json_path, results)
     results["files"]["results"] = json_path
@@ -408,6 +411,8 @@ def format_report(results: dict) -> str:
         f"device KV budget {run['kv_budget_bytes'] / 1e6:.3f} MB ({run['kv_budget_source']}); context_length"
         f" {run['context_length']}; max_running_requests {run['max_running_requests']}; hisparse_config {run['hisparse_config']}",
         "requests of context_length that fit at once: " + ", ".join(f"{m} {n}" for m, n in results["capacity"].items()),
+        f"KV bytes per request at context_length {run['context_length']}: "
+        + "; ".join(f"{m} device {kv['device'] / 1e6:.3f} MB, host {kv['host'] / 1e6:.3f} MB" for m, kv in results["kv_bytes_per_request"].items()),
     ]
     for p in results["points"]:
         lines.append(format_summary(f"{p['mode']} c={p['max_concurrency']}", p))
@@ -417,7 +422,8 @@ def format_report(results: dict) -> str:
         by = {(p["mode"], p["max_concurrency"]): p["output_throughput"] for p in results["points"]}
         ratios = [f"c={c}: {by['hisparse', c] / by['baseline', c]:.2f}x" for (m, c) in by if m == "hisparse" and ("baseline", c) in by]
         lines.append("hisparse / baseline output throughput: " + ", ".join(ratios))
-    lines.append(f"same tokens for every request in every run: {results['tokens_identical']}")
+    if results["tokens_identical"] is not None:  # two runs or more to compare
+        lines.append(f"same tokens for every request in every run: {results['tokens_identical']}")
     lines.extend(results.get("notes", []))
     lines.append("wrote " + ", ".join(results["files"].values()))
     return "\n".join(lines)

@@ -304,6 +304,13 @@ class Engine:
             fits = min(fits, sum(pool.num_pages // pool.pages_for(num_tokens) for pool in self._host_pages))
         return fits
 
+    def kv_bytes_per_request(self, num_tokens: int | None = None) -> dict:
+        """KV bytes one request of `num_tokens` tokens (default: context_length) holds: on the device
+        as admission counts them (HiSparse: its hot buffers + indexer keys; the baseline: every row
+        + keys) and in the host pool (HiSparse: every offloaded row; the baseline: 0)."""
+        tokens = num_tokens or self.config.context_length
+        return dict(tokens=tokens, device=self.footprint.request_bytes(tokens), host=self.footprint.host_request_bytes(tokens))
+
     # ---- one request --------------------------------------------------------------------------------
 
     def _start(self, admission: Admission) -> int | None | PrefillJob:
@@ -605,7 +612,8 @@ class Engine:
         ordered = [traces[r.id] for r in requests]
         summary = summarize(steps, ordered, duration, measure_ttft=not self.config.synthetic_context)
         summary.update(mode=self.config.mode, selection=self.config.selection, max_concurrency=limit,
-                       synthetic_context=self.config.synthetic_context)  # fmt: skip
+                       synthetic_context=self.config.synthetic_context,
+                       kv_bytes_per_request=self.kv_bytes_per_request())  # fmt: skip
         if self.selector is not None:
             summary["measured_topk_overlap"] = self.selector.measured_overlap
         if self.residency is not None:

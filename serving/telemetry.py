@@ -94,8 +94,16 @@ def format_summary(label: str, summary: dict) -> str:
         f"  running {summary['mean_running']:5.1f} (max {summary['max_running']:3d})"
         f"  TTFT mean {fmt(ttft and ttft['mean']):>8} ms  ITL mean/p50/p99 {fmt(itl['mean'])}/{fmt(itl['p50'])}/{fmt(itl['p99'])} ms"
         f"  miss rate {summary['miss_rate']:.3f}  H2D {summary['h2d_bytes'] / 1e6:.2f} MB"
+        + _kv_text(summary.get("kv_bytes_per_request"))
         + _residency_text(summary.get("residency"))
     )
+
+
+def _kv_text(kv: dict | None) -> str:
+    """KV bytes per request at the engine's context length: device (as admission counts) and host pool."""
+    if kv is None:
+        return ""
+    return f"  KV/request device {kv['device'] / 1e6:.3f} MB host {kv['host'] / 1e6:.3f} MB"
 
 
 def _residency_text(residency: dict | None) -> str:

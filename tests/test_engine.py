@@ -184,6 +184,20 @@ def test_device_footprint_counts_rows_and_indexer_keys():
     assert on.request_bytes(100) == 3 * 21 * row + 3 * 100 * key  # B + the newest-token slot
     ten = 10 * (3 * 21 * row + 3 * 100 * key)
     assert on.capacity(ten, 100) == 10 and on.capacity(ten - 1, 100) == 9
+    # Host pool bytes per request: every row of every layer with HiSparse, none for the baseline
+    assert on.host_request_bytes(100) == 3 * 100 * row and off.host_request_bytes(100) == 0
+    from configs.deepseek_v4 import DeepseekV4Config
+    from configs.minimax_m3 import MiniMaxM3Config
+    from models.deepseek_v4.runner import footprint as v4_footprint
+    from models.minimax_m3.runner import footprint as m3_footprint
+
+    v4 = DeepseekV4Config.tiny()  # HiSparse offloads the C4 entries: one per csa_rate tokens and CSA layer
+    v4_on = v4_footprint(v4, jnp.float32, HiSparseConfig(top_k=v4.index_topk))
+    assert v4_on.host_request_bytes(100) == len(v4.csa_layers) * -(-100 // v4.csa_rate) * v4_on.row_bytes > 0
+    assert v4_footprint(v4, jnp.float32, None).host_request_bytes(100) == 0
+    m3 = MiniMaxM3Config.tiny()  # the sparse layers' K and V of every token and KV head
+    m3_on = m3_footprint(m3, jnp.float32, HiSparseConfig(top_k=m3.selected_keys))
+    assert m3_on.host_request_bytes(100) == len(m3.sparse_layers) * m3.num_kv_heads * 100 * m3_on.row_bytes > 0
     # A shared-layer prefetch stages top_k rows per shared layer after the longest anchor run
     glm = DSAModelConfig.tiny_glm()  # full, full, shared, full, shared: one shared layer per run
     staged = DeviceFootprint.of(glm, jnp.float32, HiSparseConfig(top_k=glm.index_topk), shared_prefetch="ffi_stream")

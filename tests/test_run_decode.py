@@ -45,6 +45,11 @@ def test_default_command_serves_and_writes_results_and_plots(tmp_path):
     assert results["capacity"]["hisparse"] > results["capacity"]["baseline"]
     assert points["hisparse", 8]["max_running"] > points["baseline", 8]["max_running"]
     assert results["tokens_identical"] is True
+    # KV bytes per request at context_length: HiSparse holds less on the device, the rest in the host pool
+    kv = results["kv_bytes_per_request"]
+    assert kv["hisparse"]["device"] < kv["baseline"]["device"] and kv["hisparse"]["host"] > 0 == kv["baseline"]["host"]
+    assert all(p["kv_bytes_per_request"] == kv[p["mode"]] for p in results["points"])
+    assert "KV bytes per request at context_length" in done.stdout and "same tokens for every request" in done.stdout
     assert [p["device_buffer_size"] for p in results["buffer_sweep"]] == [16, 32, 64]
     for name in ("throughput_vs_concurrency", "misses_over_time", "misses_vs_buffer_size", "misses_over_time_by_buffer"):
         assert_png(tmp_path / f"{name}.png")
@@ -168,6 +173,8 @@ def test_noenable_hisparse_alone_serves_the_baseline(tmp_path):
     with open(tmp_path / "results.json") as f:
         results = json.load(f)
     assert [p["mode"] for p in results["points"]] == ["baseline"] and results["buffer_sweep"] == []
+    # one run, nothing to compare: no "same tokens" claim
+    assert results["tokens_identical"] is None and "same tokens" not in done.stdout
 
 
 def test_unknown_flag_is_one_line_and_status_2(tmp_path):
