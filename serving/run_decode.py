@@ -17,7 +17,8 @@ Serving writes results.json and PNG plots to --output_dir and prints a summary; 
 decoding (--prompts/--output) writes `tokens` int32 [B, N] and `logits` float32 [B, N, vocab].
 Bad input (an unknown flag, a bad value, a flag the mode does not read, prompts the model cannot
 take, unusable files) ends with one `error: ...` line on stderr and exit status 2, before JAX
-starts and before anything is written (serving.validation holds the checks).
+starts and before anything is written (serving.validation holds the checks). Ctrl-C ends with
+one `interrupted` line and exit status 130; every file is written whole or not at all.
 Intentionally thin: flags -> library. The top-level run_decode.py and the `hisparse-decode`
 console command run this module's run().
 """
@@ -196,6 +197,9 @@ def main(argv):
             print(cli.format_report(cli.run_serving(args)))
     except UsageError as error:
         _refuse(str(error))
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT; files are written whole or not at all
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 def run() -> None:

@@ -10,6 +10,7 @@ run's wall time, TTFT and ITL (mean / p50 / p99, ms), plus the miss rate.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -113,9 +114,21 @@ def _residency_text(residency: dict | None) -> str:
     return f"  residency {residency['promotions']} up / {residency['demotions']} down ({residency['promoted_rows']} rows copied)"
 
 
+@contextlib.contextmanager
+def written_whole(path: str | os.PathLike):
+    """Yields a scratch path beside `path` to write to; renamed onto `path` when the block ends
+    normally, removed otherwise (an error, Ctrl-C): `path` is written whole or not at all, and no
+    scratch file stays behind."""
+    tmp = f"{os.fspath(path)}.partial-{os.getpid()}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def write_json(path: str | os.PathLike, data) -> None:
-    """Writes atomically (a partial file never replaces a good one)."""
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "w") as f:
+    """Writes atomically (a partial file never replaces a good one, nor is left behind)."""
+    with written_whole(path) as tmp, open(tmp, "w") as f:
         json.dump(data, f, indent=1)
-    os.replace(tmp, path)

@@ -194,3 +194,31 @@ def test_without_matplotlib_the_run_says_plots_were_skipped(monkeypatch, tmp_pat
     results = {"points": [{"mode": "hisparse", "max_concurrency": 1, "steps": {"misses": [1]}}], "buffer_sweep": []}
     assert cli._plot(results, str(tmp_path), "", "model selection") == {}
     assert results["notes"] == [cli.PLOTS_NEED] and os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_ends_with_one_line_and_status_130(tmp_path):
+    """SIGINT mid-run: `interrupted`, exit status 130, no traceback, and no file half-written
+    (results.json and the plots are renamed into place whole; no scratch file is left)."""
+    import signal
+    import time
+
+    process = subprocess.Popen(
+        [sys.executable, SCRIPT, f"--output_dir={tmp_path}", "--num_prompts=64", "--noprogress", "--device_buffer_sweep="],
+        cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for line in process.stderr:  # JAX started: the run is under way
+            if "jax " in line and " on [" in line:
+                break
+        time.sleep(4)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == "interrupted" and "Traceback" not in stderr, stderr[-2000:]
+    for path in tmp_path.rglob("*"):
+        assert ".partial" not in path.name and not path.name.endswith(".tmp"), path
+        if path.name == "results.json":
+            json.loads(path.read_text())  # a whole file (the points done before the interrupt)
