@@ -55,6 +55,9 @@ def test_run_decode_reproduces_the_fixture(tmp_path, fixture, hisparse):
     done = run_decode(f"--checkpoint={checkpoint}", f"--prompts={golden_path}", f"--output={output}",
                       f"--max_new_tokens={steps}", "--dtype=float32", *mode)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    # Progress at INFO while it works: loading, prefill, decode steps (the last one always)
+    for said in ("loading weights from", "loaded ", "prefill: 2 prompt(s)", "prefill done", f"decode step {steps - 1}/{steps - 1}"):
+        assert said in done.stderr, (said, done.stderr[-3000:])
     if hisparse:  # rows did come from the host pool
         misses = [line for line in done.stderr.splitlines() if "hisparse:" in line and "misses" in line]
         assert misses and int(misses[-1].split("hisparse:")[1].split()[0]) > 0, done.stderr[-3000:]

@@ -13,10 +13,11 @@ from models.dsa.checks import check_hisparse
 
 
 def _decode(checkpoint, prompts, max_new_tokens, *, dtype, hisparse, kv_cache_dtype) -> DecodeOutput:
+    from models.common.progress import load_logged
     from models.dsa import loading  # its load_hf_checkpoint, looked up when called (tests patch it)
     from models.dsa.generate import generate
 
-    model = loading.load_hf_checkpoint(checkpoint, dtype=dtype)
+    model = load_logged(checkpoint, lambda: loading.load_hf_checkpoint(checkpoint, dtype=dtype))
     out = generate(model, prompts, max_new_tokens, hisparse=hisparse, kv_cache_dtype=kv_cache_dtype)
     return DecodeOutput(out.tokens, out.logits, out.num_misses if hisparse is not None else None)
 
