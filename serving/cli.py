@@ -44,6 +44,7 @@ from models.dsa.runner import ModelRunner, resolved_shared_prefetch
 from models.registry import decode_checkpoint
 from serving.disaggregation import KVReceiver, KVSender, parse_address
 from serving.engine import Engine, EngineConfig
+from serving import fit
 from serving.errors import UsageError
 from serving.telemetry import format_summary, steps_to_json, write_json
 from serving.validation import (
@@ -201,7 +202,6 @@ class _Prepared:
 
 def _prepare(args: ServingArgs) -> _Prepared:
     config = model_config(args)  # everything is checked before the weights are built
-    family = registry.family_of_config(config)
     check_family_serving(config, dataclasses.asdict(args))  # flags another family's runner cannot honour
     with flag_errors("--tp_size/--dp_size/--enable_dp_attention"):
         inputs.check_parallel(config, args.parallel, num_requests=args.max_running_requests, requests="request slots (--max_running_requests)")
@@ -225,20 +225,33 @@ def _prepare(args: ServingArgs) -> _Prepared:
     for size in buffer_sweep(args, hisparse):
         if size < hisparse.top_k:
             raise UsageError(f"--device_buffer_sweep: device_buffer_size ({size}) must be >= top_k ({hisparse.top_k})")
-    model, model_name = load_model(args)
     dtype = DTYPES[args.dtype]
+    footprints = {mode: _footprint(config, args, hisparse if mode == "hisparse" else None) for mode in ("hisparse", "baseline")}
     if args.kv_budget_gb is not None:
         budget, budget_source = int(args.kv_budget_gb * 1e9), "--kv_budget_gb"
     else:
         # Auto: HiSparse's R slots at full context fit exactly; the baseline gets the same bytes.
-        if family.footprint is not None:  # DeepSeek-V4, MiniMax-M3: the runner's own count
-            footprint = family.footprint(config, dtype, hisparse)
-        else:
-            prefetch = resolved_shared_prefetch(args.parallel, args.implementation)  # as the runner will
-            footprint = DeviceFootprint.of(config, dtype, hisparse, args.kv_cache_dtype, prefetch)
-        budget = args.max_running_requests * footprint.request_bytes(context)
+        budget = args.max_running_requests * footprints["hisparse"].request_bytes(context)
         budget_source = "auto: max_running_requests HiSparse requests at context_length"
+    # Each engine allocates its R slots' KV (the baseline's at full context: a static array).
+    R, modes = args.max_running_requests, args.modes if args.disaggregation_mode != "prefill" else ("baseline",)
+    fit.check_fits(
+        f"--checkpoint={args.checkpoint}" if args.checkpoint else f"--model={args.model}", config, dtype,
+        kv_device_bytes=R * max(footprints[m].request_bytes(context) for m in modes),
+        kv_host_bytes=R * footprints["hisparse"].host_request_bytes(context) if "hisparse" in modes else 0,
+        parallel=args.parallel,
+    )  # fmt: skip
+    model, model_name = load_model(args)
     return _Prepared(config, hisparse, requests, context, model, model_name, budget, budget_source)
+
+
+def _footprint(config, args: ServingArgs, hisparse: HiSparseConfig | None):
+    """Device bytes per request of an engine serving `config` with `hisparse` (None: the baseline)."""
+    family = registry.family_of_config(config)
+    if family.footprint is not None:  # DeepSeek-V4, MiniMax-M3: the runner's own count
+        return family.footprint(config, DTYPES[args.dtype], hisparse)
+    prefetch = resolved_shared_prefetch(args.parallel, args.implementation)  # as the runner will
+    return DeviceFootprint.of(config, DTYPES[args.dtype], hisparse, args.kv_cache_dtype, prefetch)
 
 
 def run_serving(args: ServingArgs) -> dict:
@@ -444,6 +457,17 @@ def run_checkpoint_decode(job: CheckpointDecode):
     job comes from validation.check_checkpoint_decode, every input already checked. What only
     loading can find (missing or misshapen tensors, an unwritable output) is a UsageError too."""
     check_prefetch_environment(None)
+    B, T = job.prompts_shape
+    context, dtype = T + job.max_new_tokens, DTYPES[job.dtype]
+    family = registry.family_of_config(job.config)
+    if family.footprint is not None:  # DeepSeek-V4, MiniMax-M3
+        footprint = family.footprint(job.config, dtype, job.hisparse)
+    else:
+        footprint = DeviceFootprint.of(job.config, dtype, job.hisparse, job.kv_cache_dtype)
+    fit.check_fits(
+        f"--checkpoint={job.checkpoint}", job.config, dtype, kv_device_bytes=B * footprint.request_bytes(context),
+        kv_host_bytes=B * footprint.host_request_bytes(context),
+    )  # fmt: skip
     try:
         return decode_checkpoint(
             job.checkpoint, job.prompts, job.output, max_new_tokens=job.max_new_tokens, dtype=DTYPES[job.dtype],

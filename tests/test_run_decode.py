@@ -117,6 +117,7 @@ BAD_INPUT = {
                      "--hisparse_config: dynamic_residency is not supported by DeepSeek-V4 serving yet"),
     "tp_residency": (serving("--tp_size=2", '--hisparse_config={"dynamic_residency": true}'),
                      "--hisparse_config: dynamic_residency runs on one device only yet"),
+    "full_size": (serving("--model=deepseek_v32"), "--model=deepseek_v32 needs ~1.3 TB of weights in bfloat16 +"),  # no machine here has 1.3 TB
     "sweep_without_hisparse": (serving("--noenable_hisparse", "--device_buffer_sweep=16"), "--device_buffer_sweep needs --enable_hisparse"),
     # checkpoint decoding: prompts
     "vocab": (checkpoint_decoding("vocab.npz"), "input_ids holds token id 512 outside the vocabulary [0, 512)"),
