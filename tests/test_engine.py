@@ -7,6 +7,7 @@ and evicts; unwritten KV rows are NaN so any stray read would poison the tokens.
 """
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -630,3 +631,47 @@ def test_one_dispatch_per_decode_step_and_tokens_read_after_the_next_dispatch(ru
     else:
         order = [e for t in range(5) for e in (("decode", t), ("read", t))]
     assert steps == order
+
+
+_FRESH_PROCESS_COMPILES = """
+import jax, jax.monitoring
+from serving import cli
+from serving.engine import Engine
+timed, compiles = [False], []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kw: compiles.append(event) if timed[0] and event.endswith("backend_compile_duration") else None)
+run, warmup = Engine.run, Engine.warmup
+def timed_run(self, requests, **kwargs):
+    timed[0] = True
+    try:
+        return run(self, requests, **kwargs)
+    finally:
+        timed[0] = False
+def untimed_warmup(self, *args, **kwargs):  # its own engine.run calls are the warm-up's
+    Engine.run = run
+    try:
+        return warmup(self, *args, **kwargs)
+    finally:
+        Engine.run = timed_run
+Engine.run, Engine.warmup = timed_run, untimed_warmup
+args = cli.ServingArgs(implementation="pallas", num_prompts=3, random_input_len=40, random_output_len=4,
+                       max_concurrency=(1, 2), progress=False, output_dir=OUT)
+cli.run_serving(args)
+print("compiles in timed runs:", len(compiles))
+"""
+
+
+def test_timed_serving_runs_compile_nothing_in_a_fresh_process(tmp_path):
+    """run_serving's warm-up compiles everything its timed runs call, also in a fresh process with
+    the Pallas kernels interpreted (the first interpreted kernel used to change JAX's tracing
+    context, so the prefill traced before it compiled again in the first timed run: TTFT 1967 ms)."""
+    import subprocess
+    import sys
+
+    code = f"OUT = {str(tmp_path)!r}\n" + _FRESH_PROCESS_COMPILES
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}  # compile for real
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                          env=dict(env, JAX_PLATFORMS="cpu"), timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiles in timed runs: 0" in done.stdout, done.stdout + done.stderr[-2000:]
