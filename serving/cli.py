@@ -456,7 +456,7 @@ def run_checkpoint_decode(job: CheckpointDecode):
     """Greedy decoding of a checkpoint over job.prompts -> job.output (models.registry.decode_checkpoint);
     job comes from validation.check_checkpoint_decode, every input already checked. What only
     loading can find (missing or misshapen tensors, an unwritable output) is a UsageError too."""
-    check_prefetch_environment(None)
+    check_prefetch_environment(job.implementation)
     B, T = job.prompts_shape
     context, dtype = T + job.max_new_tokens, DTYPES[job.dtype]
     family = registry.family_of_config(job.config)
@@ -464,14 +464,19 @@ def run_checkpoint_decode(job: CheckpointDecode):
         footprint = family.footprint(job.config, dtype, job.hisparse)
     else:
         footprint = DeviceFootprint.of(job.config, dtype, job.hisparse, job.kv_cache_dtype)
+    try:
+        parallel = ParallelConfig(job.tp_size, job.dp_size, job.enable_dp_attention)
+        parallel.make_mesh()  # enough devices?
+    except ParallelConfigError as error:
+        raise UsageError(f"--tp_size/--dp_size/--enable_dp_attention: {error}") from None
     fit.check_fits(
         f"--checkpoint={job.checkpoint}", job.config, dtype, kv_device_bytes=B * footprint.request_bytes(context),
-        kv_host_bytes=B * footprint.host_request_bytes(context),
+        kv_host_bytes=B * footprint.host_request_bytes(context), parallel=parallel,
     )  # fmt: skip
     try:
         return decode_checkpoint(
             job.checkpoint, job.prompts, job.output, max_new_tokens=job.max_new_tokens, dtype=DTYPES[job.dtype],
-            hisparse=job.hisparse, kv_cache_dtype=job.kv_cache_dtype,
+            hisparse=job.hisparse, kv_cache_dtype=job.kv_cache_dtype, parallel=parallel, implementation=job.implementation,
         )  # fmt: skip
     except (CheckpointError, UnsupportedModelError) as error:
         raise UsageError(f"--checkpoint: {error}") from None

@@ -79,7 +79,11 @@ _SYNTHETIC_TOPK_OVERLAP = flags.DEFINE_float(
 _EOS_TOKEN_ID = flags.DEFINE_integer("eos_token_id", None, "Stop a request at this token (default: run to its output length).")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per host page.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "outputs", "Where results.json and the plots go.")
-_IMPLEMENTATION = flags.DEFINE_string("implementation", None, "Kernels: reference or pallas (default: pallas on GPU, reference elsewhere).")
+_IMPLEMENTATION = flags.DEFINE_string(
+    "implementation", None,
+    "Kernels: reference, pallas or tpu (the Pallas TPU kernels; TPU interpret mode off a TPU, docs/tpu.md). Default:"
+    " pallas on GPU, tpu on TPU, reference elsewhere.",
+)  # fmt: skip
 _PROGRESS = flags.DEFINE_bool("progress", True, "Progress bars on prefill and decode.")
 _BATCH_BUCKETS = flags.DEFINE_bool(
     "batch_buckets", False,
@@ -150,8 +154,10 @@ def main(argv):
             job = validation.check_checkpoint_decode(
                 _CHECKPOINT.value, _PROMPTS.value, _OUTPUT.value, max_new_tokens=_MAX_NEW_TOKENS.value,
                 dtype=_DTYPE.value, enable_hisparse=_ENABLE_HISPARSE.value, hisparse_config=_HISPARSE_CONFIG.value,
-                kv_cache_dtype=_KV_CACHE_DTYPE.value,
+                kv_cache_dtype=_KV_CACHE_DTYPE.value, tp_size=_TP_SIZE.value, dp_size=_DP_SIZE.value,
+                enable_dp_attention=_ENABLE_DP_ATTENTION.value, implementation=_IMPLEMENTATION.value,
             )  # fmt: skip
+            _use_host_devices(job.num_devices)
         else:
             if _CHECKPOINT.value is not None:  # its config.json: a model serving runs (DSA), before JAX starts
                 validation.checkpoint_config(_CHECKPOINT.value)

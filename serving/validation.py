@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import types
 from typing import Any, Collection, Mapping
 
 import numpy as np
@@ -45,7 +46,7 @@ MODELS = {
 DTYPE_NAMES = ("bfloat16", "float32")
 # SGLang's --kv-cache-dtype values offered here (models.dsa.decoding.create_cache also takes float32).
 KV_CACHE_DTYPE_NAMES = ("auto", "bfloat16", "fp8_e4m3")
-IMPLEMENTATIONS = ("reference", "pallas")
+IMPLEMENTATIONS = ("reference", "pallas", "tpu")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 # --hisparse_config keys the user's JSON leaves out take these (then HiSparseConfig's, SGLang's):
 # run_decode serves colocated, SGLang's host_to_device_ratio 8 (docs/background.md).
@@ -57,8 +58,9 @@ HISPARSE_DEFAULTS = {"host_to_device_ratio": 8}
 SERVING = "serving (no --prompts/--output)"
 CHECKPOINT_DECODING = "checkpoint decoding (--prompts/--output)"
 CHECKPOINT_DECODING_FLAGS = frozenset(
-    {"checkpoint", "prompts", "output", "max_new_tokens", "dtype", "kv_cache_dtype", "enable_hisparse", "hisparse_config"}
-)
+    {"checkpoint", "prompts", "output", "max_new_tokens", "dtype", "kv_cache_dtype", "enable_hisparse", "hisparse_config",
+     "tp_size", "dp_size", "enable_dp_attention", "implementation"}
+)  # fmt: skip
 CHECKPOINT_DECODING_ONLY = frozenset({"prompts", "output", "max_new_tokens"})
 
 
@@ -302,6 +304,18 @@ def checkpoint_config(checkpoint: str, *, decoding: bool = False):
 # ---- checkpoint decoding --------------------------------------------------------------------------
 
 
+def parallel_split(tp_size: int, dp_size: int, enable_dp_attention: bool) -> types.SimpleNamespace:
+    """hisparse_jax.sharding.ParallelConfig's arithmetic without importing JAX (what
+    inputs.check_parallel reads); an inconsistent combination is a UsageError."""
+    if enable_dp_attention and tp_size % dp_size:
+        raise UsageError(f"--tp_size/--dp_size/--enable_dp_attention: with enable_dp_attention, tp_size ({tp_size}) must be a multiple of dp_size ({dp_size})")
+    devices = tp_size if enable_dp_attention else tp_size * dp_size
+    return types.SimpleNamespace(
+        tp_size=tp_size, dp_size=dp_size, enable_dp_attention=enable_dp_attention, num_devices=devices,
+        attention_tp=tp_size // dp_size if enable_dp_attention else tp_size, is_single_device=devices == 1,
+    )  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointDecode:
     """Checkpoint decoding's inputs, checked (check_checkpoint_decode); the weights not yet loaded."""
@@ -315,6 +329,14 @@ class CheckpointDecode:
     config: Any  # the family's config class (models.registry)
     prompts_shape: tuple[int, int]
     kv_cache_dtype: str = "auto"
+    tp_size: int = 1  # a mesh as serving's (hisparse_jax.sharding.ParallelConfig); DSA checkpoints only
+    dp_size: int = 1
+    enable_dp_attention: bool = False
+    implementation: str | None = None  # the kernels (None: the backend's default); DSA checkpoints only
+
+    @property
+    def num_devices(self) -> int:
+        return parallel_split(self.tp_size, self.dp_size, self.enable_dp_attention).num_devices
 
 
 def check_checkpoint_decode(
@@ -327,14 +349,20 @@ def check_checkpoint_decode(
     enable_hisparse: bool,
     hisparse_config: str,
     kv_cache_dtype: str = "auto",
+    tp_size: int = 1,
+    dp_size: int = 1,
+    enable_dp_attention: bool = False,
+    implementation: str | None = None,
 ) -> CheckpointDecode:
     """Everything checkpoint decoding reads, checked against the checkpoint's config.json before
-    any weight is loaded (or JAX started)."""
+    any weight is loaded (or JAX started). A mesh (tp_size, dp_size, enable_dp_attention, as
+    serving's) and implementation are taken by DSA checkpoints (registry: decodes_on_a_mesh)."""
     if checkpoint is None:
         raise UsageError(f"{CHECKPOINT_DECODING} needs --checkpoint=DIR")
     if prompts is None or output is None:
         raise UsageError("checkpoint decoding needs --prompts=FILE.npz and --output=FILE.npz (or drop them to serve a random workload)")
-    checked = (("max_new_tokens", max_new_tokens), ("dtype", dtype), ("kv_cache_dtype", kv_cache_dtype), ("hisparse_config", hisparse_config))
+    checked = (("max_new_tokens", max_new_tokens), ("dtype", dtype), ("kv_cache_dtype", kv_cache_dtype), ("hisparse_config", hisparse_config),
+               ("tp_size", tp_size), ("dp_size", dp_size), ("enable_dp_attention", enable_dp_attention), ("implementation", implementation))  # fmt: skip
     for name, value in checked:
         check_flag(name, value)
     with flag_errors("--output"):
@@ -347,4 +375,16 @@ def check_checkpoint_decode(
     with flag_errors("--max_new_tokens"):
         inputs.check_context(ids.shape[1], max_new_tokens, config)
     hisparse = resolve_hisparse_config(hisparse_config, config) if enable_hisparse else None
-    return CheckpointDecode(checkpoint, prompts, output, max_new_tokens, dtype, hisparse, config, ids.shape, kv_cache_dtype)
+    split = parallel_split(tp_size, dp_size, enable_dp_attention)
+    if not registry.family_of_config(config).decodes_on_a_mesh:
+        name = _FAMILY_NAMES.get(registry.family_of_config(config).name, config.model_type)
+        if not split.is_single_device:
+            raise UsageError(f"--tp_size/--dp_size/--enable_dp_attention: {name} checkpoint decoding runs on one device; drop them")
+        if implementation is not None:
+            raise UsageError(f"--implementation: {name} checkpoint decoding runs its default kernels; drop it")
+    with flag_errors("--tp_size/--dp_size/--enable_dp_attention"):
+        inputs.check_parallel(config, split, num_requests=ids.shape[0], requests=f"prompts (rows of {prompts} input_ids)")
+    return CheckpointDecode(
+        checkpoint, prompts, output, max_new_tokens, dtype, hisparse, config, ids.shape, kv_cache_dtype, tp_size, dp_size,
+        enable_dp_attention, implementation,
+    )  # fmt: skip

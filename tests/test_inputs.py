@@ -255,7 +255,7 @@ def flag_values(**changes) -> dict:
     "mode, changes, message",
     [
         (validation.CHECKPOINT_DECODING, dict(context_length=64), r"--context_length is not used by checkpoint decoding"),
-        (validation.CHECKPOINT_DECODING, dict(tp_size=2, seed=3), r"--seed, --tp_size are not used by checkpoint decoding"),
+        (validation.CHECKPOINT_DECODING, dict(context_length=64, seed=3), r"--context_length, --seed are not used by checkpoint decoding"),
         (validation.CHECKPOINT_DECODING, dict(context_length=0), r"--context_length must be an integer >= 2, got 0"),
         (validation.CHECKPOINT_DECODING, dict(num_prompts=-1), r"--num_prompts must be a positive integer"),
         (validation.SERVING, dict(max_new_tokens=8), r"--max_new_tokens is not used by serving"),

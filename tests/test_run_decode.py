@@ -148,7 +148,12 @@ BAD_INPUT = {
     "needs_checkpoint": (["--prompts=p.npz", "--output=o.npz"], "needs --checkpoint=DIR"),
     # checkpoint decoding: flags it does not read, bad values whatever the mode
     "unused_flag": (checkpoint_decoding("ok.npz", "--context_length=64"), "--context_length is not used by checkpoint decoding"),
-    "unused_tp": (checkpoint_decoding("ok.npz", "--tp_size=2"), "--tp_size is not used by checkpoint decoding"),
+    "unused_seed": (checkpoint_decoding("ok.npz", "--seed=2"), "--seed is not used by checkpoint decoding"),
+    "mesh_heads": (checkpoint_decoding("ok.npz", "--tp_size=3"), "--tp_size/--dp_size/--enable_dp_attention: the model's 4 attention heads do not split over 3 devices"),
+    "mesh_prompts": (checkpoint_decoding("ok.npz", "--tp_size=4", "--dp_size=4", "--enable_dp_attention"),
+                     "--tp_size/--dp_size/--enable_dp_attention: 2 prompts (rows of {tmp}/ok.npz input_ids) do not split over 4 data-parallel groups"),
+    "mesh_dp_attention": (checkpoint_decoding("ok.npz", "--tp_size=3", "--dp_size=2", "--enable_dp_attention"), "tp_size (3) must be a multiple of dp_size (2)"),
+    "implementation": (checkpoint_decoding("ok.npz", "--implementation=cuda"), "--implementation='cuda': use one of ('reference', 'pallas', 'tpu')"),
     "bad_unused_value": (checkpoint_decoding("ok.npz", "--context_length=0"), "--context_length must be an integer >= 2, got 0"),
     "kv_cache_dtype_checkpoint": (checkpoint_decoding("ok.npz", "--kv_cache_dtype=int4"), "--kv_cache_dtype='int4': use one of"),
 }
@@ -176,6 +181,49 @@ def test_noenable_hisparse_alone_serves_the_baseline(tmp_path):
     assert [p["mode"] for p in results["points"]] == ["baseline"] and results["buffer_sweep"] == []
     # one run, nothing to compare: no "same tokens" claim
     assert results["tokens_identical"] is None and "same tokens" not in done.stdout
+
+
+RTOL = 1e-4  # of the largest |logit|, as tests/test_parallel_models.py
+
+
+def decode_fixture(tmp_path, *flags):
+    """run_decode.py's checkpoint decoding of the deepseek_v32_tiny fixture's prompts (golden.npz's
+    24 greedy steps, float32) -> (its stderr, tokens, logits), checked against the golden ones."""
+    golden_path, output = os.path.join(CHECKPOINT, "golden.npz"), tmp_path / "out.npz"
+    with np.load(golden_path) as data:
+        golden = dict(data)
+    steps = golden["greedy_tokens"].shape[1]
+    done = run_decode(f"--checkpoint={CHECKPOINT}", f"--prompts={golden_path}", f"--output={output}",
+                      f"--max_new_tokens={steps}", "--dtype=float32", *flags)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    with np.load(output) as data:
+        np.testing.assert_array_equal(data["tokens"], golden["greedy_tokens"])
+        error = np.abs(data["logits"] - golden["greedy_logits"]).max() / np.abs(golden["greedy_logits"]).max()
+        assert error < RTOL, f"max error {error:.2e} of the largest |logit|"
+    return done.stderr
+
+
+def misses_logged(stderr: str) -> int:
+    lines = [line for line in stderr.splitlines() if "hisparse:" in line and " misses over " in line]
+    return int(lines[-1].split("hisparse:")[1].split()[0]) if lines else 0
+
+
+# device_buffer_size 20 against top_k 16: the steps evict and swap rows in from the host pool
+FORCED_MISSES = '--hisparse_config={"device_buffer_size": 20}'
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [["--tp_size=4", "--dp_size=2", "--enable_dp_attention"], pytest.param(["--tp_size=2", "--dp_size=2"], marks=pytest.mark.slow)],
+    ids=["dp2_x_tp2_dp_attention", "tp2_replicas"],
+)
+@pytest.mark.parametrize("hisparse", [[FORCED_MISSES], ["--noenable_hisparse"]], ids=["hisparse_misses", "hisparse_off"])
+def test_checkpoint_decoding_on_a_mesh_reproduces_the_fixture(tmp_path, mesh, hisparse):
+    """Checkpoint decoding on 4 virtual CPU devices (run_decode.py sets
+    --xla_force_host_platform_device_count itself): the fixture's golden tokens and logits, as on one device."""
+    stderr = decode_fixture(tmp_path, *mesh, *hisparse)
+    assert "CpuDevice(id=3)" in stderr  # four devices
+    assert (misses_logged(stderr) > 0) == (hisparse == [FORCED_MISSES])
 
 
 def test_unknown_flag_is_one_line_and_status_2(tmp_path):
