@@ -186,19 +186,20 @@ def test_noenable_hisparse_alone_serves_the_baseline(tmp_path):
 RTOL = 1e-4  # of the largest |logit|, as tests/test_parallel_models.py
 
 
-def decode_fixture(tmp_path, *flags):
-    """run_decode.py's checkpoint decoding of the deepseek_v32_tiny fixture's prompts (golden.npz's
-    24 greedy steps, float32) -> (its stderr, tokens, logits), checked against the golden ones."""
+def decode_fixture(tmp_path, *flags, steps=None):
+    """run_decode.py's checkpoint decoding of the deepseek_v32_tiny fixture's prompts (float32;
+    `steps` tokens, default golden.npz's 24) -> its stderr; the tokens and logits checked against
+    the golden ones."""
     golden_path, output = os.path.join(CHECKPOINT, "golden.npz"), tmp_path / "out.npz"
     with np.load(golden_path) as data:
         golden = dict(data)
-    steps = golden["greedy_tokens"].shape[1]
+    steps = steps or golden["greedy_tokens"].shape[1]
     done = run_decode(f"--checkpoint={CHECKPOINT}", f"--prompts={golden_path}", f"--output={output}",
                       f"--max_new_tokens={steps}", "--dtype=float32", *flags)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     with np.load(output) as data:
-        np.testing.assert_array_equal(data["tokens"], golden["greedy_tokens"])
-        error = np.abs(data["logits"] - golden["greedy_logits"]).max() / np.abs(golden["greedy_logits"]).max()
+        np.testing.assert_array_equal(data["tokens"], golden["greedy_tokens"][:, :steps])
+        error = np.abs(data["logits"] - golden["greedy_logits"][:, :steps]).max() / np.abs(golden["greedy_logits"]).max()
         assert error < RTOL, f"max error {error:.2e} of the largest |logit|"
     return done.stderr
 
@@ -224,6 +225,15 @@ def test_checkpoint_decoding_on_a_mesh_reproduces_the_fixture(tmp_path, mesh, hi
     stderr = decode_fixture(tmp_path, *mesh, *hisparse)
     assert "CpuDevice(id=3)" in stderr  # four devices
     assert (misses_logged(stderr) > 0) == (hisparse == [FORCED_MISSES])
+
+
+def test_checkpoint_decoding_with_the_tpu_kernels_reproduces_the_fixture(tmp_path):
+    """--implementation=tpu: every kernel (plan, copies, attention) the Pallas TPU one, in TPU
+    interpret mode on the CPU, with the host pool in device memory there (memory.host_pool_kind);
+    HiSparse swapping rows in every step. 8 of the 24 golden steps (~1 s a step interpreted; all
+    24 through generate: tests/test_tpu_kernels.py, -m slow)."""
+    stderr = decode_fixture(tmp_path, "--implementation=tpu", FORCED_MISSES, steps=8)
+    assert misses_logged(stderr) > 0
 
 
 def test_unknown_flag_is_one_line_and_status_2(tmp_path):

@@ -314,11 +314,11 @@ def test_kernels_lower_to_mosaic(monkeypatch):
 
 
 @pytest.mark.slow  # ~50 s: the whole fixture model on the TPU kernels in interpret mode
-def test_fixture_model_greedy_decoding_reproduces_its_tokens(monkeypatch):
+def test_fixture_model_greedy_decoding_reproduces_its_tokens():
     """tests/fixtures/deepseek_v32_tiny decoded with HiSparse and implementation="tpu" (every
     kernel in TPU interpret mode): the golden greedy tokens and logits, as test_models checks
-    for the other implementations. The host pool is allocated in device memory (see
-    device_pool_states)."""
+    for the other implementations. The runner puts the host pool in device memory itself
+    (memory.host_pool_kind: TPU interpret mode cannot lower with a pinned_host operand on the CPU)."""
     import test_models
 
     from hisparse_jax import memory
@@ -327,13 +327,13 @@ def test_fixture_model_greedy_decoding_reproduces_its_tokens(monkeypatch):
     from models.dsa.generate import generate
     from models.dsa.loading import load_hf_checkpoint
 
-    monkeypatch.setattr(memory, "PINNED_HOST", memory.DEVICE)
     path = test_models.DEEPSEEK
     with np.load(f"{path}/golden.npz") as data:
         golden = dict(data)
     model = load_hf_checkpoint(path, dtype=jnp.float32)
     top_k, buffer = test_models.BUFFERS[path]
     runner = ModelRunner(model, prefill_chunk=16, implementation="tpu")
+    assert runner.host_memory_kind == memory.DEVICE and ModelRunner(model).host_memory_kind == memory.PINNED_HOST
     steps = golden["greedy_tokens"].shape[1]
     config = HiSparseConfig(top_k=top_k, device_buffer_size=buffer)
     out = generate(runner, golden["input_ids"], steps, hisparse=config, page_size=16, fill_value=np.nan)

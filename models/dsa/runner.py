@@ -127,6 +127,7 @@ class ModelRunner:
         self.parallel = parallel
         self.mesh = None if parallel is None or parallel.is_single_device else parallel.make_mesh()
         self.shared_prefetch = resolved_shared_prefetch(parallel, implementation, shared_prefetch)
+        self.host_memory_kind = memory.host_pool_kind(implementation)  # pinned_host but for TPU interpret mode
         self.graphdef, self.params = nnx.split(model)
         if self.mesh is not None:
             self.params = shard_params(self.params, self.mesh, parallel)
@@ -211,6 +212,7 @@ class ModelRunner:
     def create_cache(self, *, num_requests: int, max_context: int, hisparse: HiSparseConfig | None = None, **kwargs) -> DecodeCache:
         """create_cache for this model, in the runner's kv_cache_dtype unless kwargs name another."""
         kwargs.setdefault("kv_cache_dtype", self.kv_cache_dtype)
+        kwargs.setdefault("host_memory_kind", self.host_memory_kind)
         return create_cache(
             self.config, num_requests=num_requests, max_context=max_context, dtype=self.dtype, hisparse=hisparse,
             mesh=self.mesh, **kwargs,
