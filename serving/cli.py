@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 
@@ -40,10 +41,11 @@ from models.dsa.decoding import prefetch_start_point
 from models.dsa.footprint import DeviceFootprint
 from models.dsa.loading import load_hf_checkpoint
 from models.dsa.model import DSAForCausalLM
-from models.dsa.runner import ModelRunner, resolved_shared_prefetch
+from models.common.runner import padded_prompt_length
+from models.dsa.runner import ModelRunner, PrefilledKV, resolved_shared_prefetch
 from models.registry import decode_checkpoint
 from serving.disaggregation import KVReceiver, KVSender, parse_address
-from serving.engine import Engine, EngineConfig
+from serving.engine import Engine, EngineConfig, progress_bar
 from serving import fit
 from serving.errors import UsageError
 from serving.telemetry import format_summary, steps_to_json, write_json
@@ -58,7 +60,7 @@ from serving.validation import (
     flag_errors,
     resolve_hisparse_config,
 )
-from serving.workload import random_requests
+from serving.workload import Request, random_requests
 
 DTYPES = {name: getattr(jnp, name) for name in DTYPE_NAMES}
 
@@ -104,6 +106,7 @@ class ServingArgs:
     enable_dp_attention: bool = False
     disaggregation_mode: str = "null"  # SGLang's --disaggregation-mode: null (colocated), prefill, decode
     disaggregation_address: str = "127.0.0.1:5757"  # the decode instance's control address
+    disaggregation_timeout_s: float = 60.0  # how long either PD instance waits for the other
 
     def __post_init__(self):
         for field in dataclasses.fields(self):  # each value by its flag's rule (validation.check_flag)
@@ -213,8 +216,10 @@ def _prepare(args: ServingArgs) -> _Prepared:
         range_ratio=args.random_range_ratio, vocab_size=config.vocab_size, seed=args.seed, eos_token_id=args.eos_token_id,
     )  # fmt: skip
     context = args.context_length or max(r.max_tokens for r in requests)
+    if args.disaggregation_mode == "decode":  # what arrives: any request the workload flags allow
+        context = args.context_length or args.random_input_len + args.random_output_len
     longest = max(requests, key=lambda r: r.max_tokens)
-    if longest.max_tokens > context:
+    if longest.max_tokens > context and args.disaggregation_mode != "decode":
         raise UsageError(
             f"request {longest.id} needs {longest.max_tokens} tokens ({longest.prompt_len} prompt +"
             f" {longest.max_new_tokens} new) > context_length {context}"
@@ -233,8 +238,11 @@ def _prepare(args: ServingArgs) -> _Prepared:
         # Auto: HiSparse's R slots at full context fit exactly; the baseline gets the same bytes.
         budget = args.max_running_requests * footprints["hisparse"].request_bytes(context)
         budget_source = "auto: max_running_requests HiSparse requests at context_length"
-    # Each engine allocates its R slots' KV (the baseline's at full context: a static array).
-    R, modes = args.max_running_requests, args.modes if args.disaggregation_mode != "prefill" else ("baseline",)
+    # Each engine allocates its R slots' KV (the baseline's at full context: a static array); a PD
+    # prefill instance holds one prompt's KV at a time.
+    R, modes = args.max_running_requests, args.modes
+    if args.disaggregation_mode == "prefill":
+        R, modes = 1, ("baseline",)
     fit.check_fits(
         f"--checkpoint={args.checkpoint}" if args.checkpoint else f"--model={args.model}", config, dtype,
         kv_device_bytes=R * max(footprints[m].request_bytes(context) for m in modes),
@@ -324,40 +332,86 @@ def run_serving(args: ServingArgs) -> dict:
 
 def run_prefill_instance(args: ServingArgs) -> str:
     """PD prefill instance: prefills the workload and hands every request's KV to the decode
-    instance at --disaggregation_address (serving.disaggregation). Returns a report line."""
+    instance at --disaggregation_address (serving.disaggregation), waiting up to
+    --disaggregation_timeout_s for it to listen. Rows go as this runner stores them
+    (--kv_cache_dtype=fp8_e4m3: the 656 B fp8 rows, quantised here). Returns a report line."""
     prepared = _prepare(args)
     runner = ModelRunner(prepared.model, implementation=args.implementation, kv_cache_dtype=args.kv_cache_dtype)
-    sender = KVSender(parse_address(args.disaggregation_address))
+    sender = KVSender(parse_address(args.disaggregation_address), timeout_s=args.disaggregation_timeout_s)
     first_token = jax.jit(lambda logits: jnp.argmax(logits).astype(jnp.int32))
-    for request in prepared.requests:
-        kv = runner.prefill_kv(request.prompt)
-        sender.send(request, kv, int(first_token(kv.logits)))
-    sender.close()
-    return f"prefilled and sent {len(prepared.requests)} requests to {args.disaggregation_address}"
+    bar, rows = progress_bar(args.progress, total=len(prepared.requests), desc="prefill and send", unit="req"), 0
+    try:
+        for request in prepared.requests:
+            kv = runner.prefill_kv(request.prompt)
+            sender.send(request, kv, int(first_token(kv.logits)))
+            rows += request.prompt_len * len(kv.rows)
+            bar.update(1)
+        sender.close()
+    finally:
+        bar.close()
+    row = runner.row_layout
+    return (
+        f"prefilled and sent {len(prepared.requests)} requests to {args.disaggregation_address}: {rows} KV rows of"
+        f" {row.bytes_per_row} B ({row.kind}), {rows * row.bytes_per_row / 1e6:.2f} MB of prompt rows"
+    )
 
 
 def run_decode_instance(args: ServingArgs) -> dict:
-    """PD decode instance: admits each request once its KV arrived from the prefill instance,
-    decodes with HiSparse (or the baseline with --noenable_hisparse); writes results.json with
-    every request's tokens."""
+    """PD decode instance: compiles what arrivals run, listens at --disaggregation_address (for
+    up to --disaggregation_timeout_s until the prefill instance connects), admits each request
+    once its KV arrived and decodes with HiSparse (or the baseline with --noenable_hisparse);
+    writes results.json with every request's tokens. Its figures start at the first arrival:
+    neither the wait for the prefill instance nor compilation is in them."""
     prepared = _prepare(args)
     hisparse = prepared.hisparse if args.enable_hisparse else None
     runner = ModelRunner(prepared.model, implementation=args.implementation, kv_cache_dtype=args.kv_cache_dtype)
     engine = _engine(runner, args, hisparse, prepared.context, prepared.budget)
-    rows_kind = memory.PINNED_HOST if hisparse is not None else memory.DEVICE  # host pool, or device KV
-    receiver = KVReceiver(parse_address(args.disaggregation_address), rows_memory_kind=rows_kind)
-    run = engine.run([], max_concurrency=max(args.max_concurrency) if args.max_concurrency else None,
+    rows_kind = runner.host_memory_kind if hisparse is not None else memory.DEVICE  # host pool, or device KV
+    _warm_decode_instance(engine, runner, args, rows_kind, prepared.context)
+    address = parse_address(args.disaggregation_address)
+    receiver = KVReceiver(address, rows_memory_kind=rows_kind, timeout_s=args.disaggregation_timeout_s, check=engine.scheduler.check)
+    host, port = receiver.address
+    logging.info(
+        "decode instance (%s) listening on %s:%d for up to %g s; start the prefill instance with"
+        " --disaggregation_mode=prefill --disaggregation_address=%s:%d",
+        engine.config.mode, host, port, args.disaggregation_timeout_s, host, port,
+    )  # fmt: skip
+    run = engine.run([], max_concurrency=args.max_concurrency[0] if args.max_concurrency else None,
                      progress=args.progress, label=f"{engine.config.mode} decode", arrivals=receiver)  # fmt: skip
     os.makedirs(args.output_dir, exist_ok=True)
     results = dict(
         run=dict(model=prepared.model_name, disaggregation_mode="decode", mode=engine.config.mode,
-                 context_length=prepared.context, max_running_requests=args.max_running_requests),  # fmt: skip
+                 kv_cache_dtype=args.kv_cache_dtype, address=f"{host}:{port}", context_length=prepared.context,
+                 max_running_requests=args.max_running_requests,
+                 clock="from the first arrival (summary.first_arrival_wait_s: the wait before it)"),  # fmt: skip
         summary=run.summary,
         tokens={str(i): t.tolist() for i, t in sorted(run.tokens.items())},
     )
     results["files"] = {"results": os.path.join(args.output_dir, "results.json")}
     write_json(results["files"]["results"], results)
     return results
+
+
+def _warm_decode_instance(engine: Engine, runner: ModelRunner, args: ServingArgs, rows_kind: str, context: int) -> None:
+    """Compiles, before the decode instance listens, what its arrivals run: admitting prefilled KV
+    (one compile per padded prompt length, for every length the workload flags allow), a decode
+    step on every bucket, retiring. The warm requests carry zero KV placed as KVReceiver places
+    it (rows in rows_kind, keys on the device)."""
+    lo, hi = max(1, int(args.random_input_len * args.random_range_ratio)), min(args.random_input_len, context - 1)
+    lengths = {padded_prompt_length(t, runner.prefill_chunk)[0]: t for t in range(lo, hi + 1)}  # a prompt length per bucket
+    keys = engine.cache.index_keys
+    warm = []
+    for i, (padded, length) in enumerate(sorted(lengths.items())):
+        kv = PrefilledKV(
+            tuple(memory.allocate((padded, runner.row_layout.width), runner.row_layout.dtype, 0, rows_kind) for _ in range(runner.config.num_layers)),
+            tuple(memory.allocate((padded, keys.shape[-1]), keys.dtype, 0, memory.DEVICE) for _ in range(keys.shape[0])),
+            None,
+            tuple(memory.allocate((padded,), jnp.float32, 0, memory.DEVICE) for _ in range(keys.shape[0]) if engine.cache.index_key_scales.shape[-1]),
+            runner.row_layout,
+        )  # fmt: skip
+        warm.append(Request(i, np.zeros(length, np.int32), min(2, context - length), prefilled=kv, first_token=0))
+    engine.run(warm, max_concurrency=1)
+    engine.compile_buckets(progress=args.progress)
 
 
 def _host_pages(hisparse: HiSparseConfig, args: ServingArgs) -> int:

@@ -108,9 +108,14 @@ _ENABLE_DP_ATTENTION = flags.DEFINE_bool(
 _DISAGGREGATION_MODE = flags.DEFINE_enum(
     "disaggregation_mode", "null", ["null", "prefill", "decode"],
     "PD disaggregation: prefill sends each request's KV to the decode instance at --disaggregation_address;"
-    " decode admits requests as their KV arrives. Start the decode instance first. null: colocated.",
+    " decode admits requests as their KV arrives. Either may start first (--disaggregation_timeout_s). null: colocated.",
 )  # fmt: skip
 _DISAGGREGATION_ADDRESS = flags.DEFINE_string("disaggregation_address", "127.0.0.1:5757", "The decode instance's host:port.")
+_DISAGGREGATION_TIMEOUT_S = flags.DEFINE_float(
+    "disaggregation_timeout_s", 60.0,
+    "PD: how long the prefill instance retries its connection to the decode instance, and the decode instance waits"
+    " for the prefill instance to connect, before one error line.",
+)  # fmt: skip
 
 
 def _use_host_devices(count: int) -> None:
@@ -174,6 +179,9 @@ def main(argv):
             cli.run_checkpoint_decode(job)
             print(f"wrote {job.output}")
             return
+        concurrency = validation.parse_int_list("--max_concurrency", _MAX_CONCURRENCY.value)
+        if _DISAGGREGATION_MODE.value != "null" and "max_concurrency" not in present:
+            concurrency = ()  # its default sweep is colocated serving's; a decode instance takes what arrives
         args = cli.ServingArgs(
             model=_MODEL.value, checkpoint=_CHECKPOINT.value, enable_hisparse=_ENABLE_HISPARSE.value,
             hisparse_config=_HISPARSE_CONFIG.value, context_length=_CONTEXT_LENGTH.value,
@@ -181,7 +189,7 @@ def main(argv):
             kv_cache_dtype=_KV_CACHE_DTYPE.value,
             num_prompts=_NUM_PROMPTS.value, random_input_len=_RANDOM_INPUT_LEN.value,
             random_output_len=_RANDOM_OUTPUT_LEN.value, random_range_ratio=_RANDOM_RANGE_RATIO.value,
-            max_concurrency=validation.parse_int_list("--max_concurrency", _MAX_CONCURRENCY.value), seed=_SEED.value,
+            max_concurrency=concurrency, seed=_SEED.value,
             compare_baseline=_COMPARE_BASELINE.value,
             device_buffer_sweep=None if _DEVICE_BUFFER_SWEEP.value is None else validation.parse_int_list(
                 "--device_buffer_sweep", _DEVICE_BUFFER_SWEEP.value),
@@ -191,7 +199,7 @@ def main(argv):
             disable_overlap_schedule=_DISABLE_OVERLAP_SCHEDULE.value,
             tp_size=_TP_SIZE.value, dp_size=_DP_SIZE.value,
             enable_dp_attention=_ENABLE_DP_ATTENTION.value, disaggregation_mode=_DISAGGREGATION_MODE.value,
-            disaggregation_address=_DISAGGREGATION_ADDRESS.value,
+            disaggregation_address=_DISAGGREGATION_ADDRESS.value, disaggregation_timeout_s=_DISAGGREGATION_TIMEOUT_S.value,
         )  # fmt: skip
         if args.disaggregation_mode == "prefill":
             print(cli.run_prefill_instance(args))

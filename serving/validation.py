@@ -52,6 +52,17 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 # run_decode serves colocated, SGLang's host_to_device_ratio 8 (docs/background.md).
 HISPARSE_DEFAULTS = {"host_to_device_ratio": 8}
 
+# What a PD instance does not read (serving/cli.py): the decode instance serves what arrives (the
+# prefill side's workload: its count, EOS and first tokens), one mode, no sweep; its context
+# length comes from --random_input_len + --random_output_len (or --context_length). The prefill
+# instance builds the workload and ships KV; it writes nothing and runs no engine.
+PD_DECODE_UNUSED = frozenset({"num_prompts", "eos_token_id", "compare_baseline", "device_buffer_sweep"})
+PD_PREFILL_UNUSED = frozenset(
+    {"output_dir", "enable_hisparse", "hisparse_config", "compare_baseline", "device_buffer_sweep", "max_concurrency",
+     "max_running_requests", "kv_budget_gb", "page_size", "batch_buckets", "prefill_token_budget",
+     "disable_overlap_schedule", "synthetic_topk_overlap"}
+)  # fmt: skip
+
 # run_decode.py's modes and the flags each reads. Serving (colocated or a PD instance) reads every
 # flag but checkpoint decoding's own; a flag set on the command line that the mode does not read
 # is refused rather than silently ignored.
@@ -136,7 +147,7 @@ def _context_length(name: str, value) -> None:
 
 def _kv_budget_gb(name: str, value) -> None:
     if value is not None and not (math.isfinite(value) and value > 0):
-        raise UsageError(f"--kv_budget_gb must be a positive number, got {value}")
+        raise UsageError(f"--{name} must be a positive number, got {value}")
 
 
 def _int_list(name: str, value) -> None:
@@ -172,6 +183,7 @@ _RULES = {
     "eos_token_id": _non_negative_int,
     "context_length": _context_length,
     "kv_budget_gb": _kv_budget_gb,
+    "disaggregation_timeout_s": _kv_budget_gb,  # a positive number too
     "random_range_ratio": _fraction,
     "synthetic_topk_overlap": _fraction,
     "max_concurrency": _int_list,
@@ -200,8 +212,15 @@ def check_flags(mode: str, values: Mapping[str, Any], present: Collection[str]) 
         unused = sorted(set(present) & CHECKPOINT_DECODING_ONLY)
         if "model" in present and values["checkpoint"] is not None:
             raise UsageError("--model is not used with --checkpoint (its config.json is the model); drop one of them")
-        if "disaggregation_address" in present and values["disaggregation_mode"] == "null":
-            raise UsageError("--disaggregation_address is not used without --disaggregation_mode=prefill|decode")
+        for name in ("disaggregation_address", "disaggregation_timeout_s"):
+            if name in present and values["disaggregation_mode"] == "null":
+                raise UsageError(f"--{name} is not used without --disaggregation_mode=prefill|decode")
+        pd = values["disaggregation_mode"]
+        if pd != "null":
+            unused = sorted(set(unused) | (set(present) & (PD_DECODE_UNUSED if pd == "decode" else PD_PREFILL_UNUSED)))
+            mode = f"a PD {pd} instance (--disaggregation_mode={pd})"
+        if pd == "decode" and "max_concurrency" in present and len(parse_int_list("--max_concurrency", values["max_concurrency"])) > 1:
+            raise UsageError("--max_concurrency: a PD decode instance takes one value (requests in flight at most), not a sweep")
         if "device_buffer_sweep" in present and not values["enable_hisparse"]:
             raise UsageError("--device_buffer_sweep needs --enable_hisparse (it sweeps HiSparse's buffer); drop one of them")
         check_residency_serving(values)

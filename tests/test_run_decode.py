@@ -118,6 +118,13 @@ BAD_INPUT = {
     "tp_residency": (serving("--tp_size=2", '--hisparse_config={"dynamic_residency": true}'),
                      "--hisparse_config: dynamic_residency runs on one device only yet"),
     "full_size": (serving("--model=deepseek_v32"), "--model=deepseek_v32 needs ~1.3 TB of weights in bfloat16 +"),  # no machine here has 1.3 TB
+    "pd_decode_unused": (serving("--disaggregation_mode=decode", "--num_prompts=3", "--compare_baseline"),
+                         "--compare_baseline, --num_prompts are not used by a PD decode instance (--disaggregation_mode=decode)"),
+    "pd_decode_sweep": (serving("--disaggregation_mode=decode", "--device_buffer_sweep=16"), "--device_buffer_sweep is not used by a PD decode instance"),
+    "pd_decode_concurrency": (serving("--disaggregation_mode=decode", "--max_concurrency=1,4"), "a PD decode instance takes one value"),
+    "pd_prefill_output": (serving("--disaggregation_mode=prefill"), "--output_dir is not used by a PD prefill instance"),
+    "pd_timeout": (serving("--disaggregation_mode=decode", "--disaggregation_timeout_s=0"), "--disaggregation_timeout_s must be a positive number, got 0.0"),
+    "pd_timeout_colocated": (serving("--disaggregation_timeout_s=5"), "--disaggregation_timeout_s is not used without --disaggregation_mode"),
     "sweep_without_hisparse": (serving("--noenable_hisparse", "--device_buffer_sweep=16"), "--device_buffer_sweep needs --enable_hisparse"),
     # checkpoint decoding: prompts
     "vocab": (checkpoint_decoding("vocab.npz"), "input_ids holds token id 512 outside the vocabulary [0, 512)"),
