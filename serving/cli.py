@@ -380,14 +380,15 @@ def run_decode_instance(args: ServingArgs) -> dict:
                      progress=args.progress, label=f"{engine.config.mode} decode", arrivals=receiver)  # fmt: skip
     os.makedirs(args.output_dir, exist_ok=True)
     results = dict(
-        run=dict(model=prepared.model_name, disaggregation_mode="decode", mode=engine.config.mode,
+        run=dict(model=prepared.model_name, disaggregation_mode="decode", mode=engine.config.mode, selection=args.label,
                  kv_cache_dtype=args.kv_cache_dtype, address=f"{host}:{port}", context_length=prepared.context,
                  max_running_requests=args.max_running_requests,
                  clock="from the first arrival (summary.first_arrival_wait_s: the wait before it)"),  # fmt: skip
         summary=run.summary,
         tokens={str(i): t.tolist() for i, t in sorted(run.tokens.items())},
     )
-    results["files"] = {"results": os.path.join(args.output_dir, "results.json")}
+    prefix = "" if args.synthetic_topk_overlap is None else f"synthetic_overlap{args.synthetic_topk_overlap:g}_"
+    results["files"] = {"results": os.path.join(args.output_dir, f"{prefix}results.json")}  # labelled as colocated runs
     write_json(results["files"]["results"], results)
     return results
 
