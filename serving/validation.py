@@ -212,16 +212,16 @@ def check_flags(mode: str, values: Mapping[str, Any], present: Collection[str]) 
         unused = sorted(set(present) & CHECKPOINT_DECODING_ONLY)
         if "model" in present and values["checkpoint"] is not None:
             raise UsageError("--model is not used with --checkpoint (its config.json is the model); drop one of them")
+        pd = values.get("disaggregation_mode", "null")  # values: every flag's, or (tests) the ones that matter
         for name in ("disaggregation_address", "disaggregation_timeout_s"):
-            if name in present and values["disaggregation_mode"] == "null":
+            if name in present and pd == "null":
                 raise UsageError(f"--{name} is not used without --disaggregation_mode=prefill|decode")
-        pd = values["disaggregation_mode"]
         if pd != "null":
             unused = sorted(set(unused) | (set(present) & (PD_DECODE_UNUSED if pd == "decode" else PD_PREFILL_UNUSED)))
             mode = f"a PD {pd} instance (--disaggregation_mode={pd})"
         if pd == "decode" and "max_concurrency" in present and len(parse_int_list("--max_concurrency", values["max_concurrency"])) > 1:
             raise UsageError("--max_concurrency: a PD decode instance takes one value (requests in flight at most), not a sweep")
-        if "device_buffer_sweep" in present and not values["enable_hisparse"]:
+        if "device_buffer_sweep" in present and not values.get("enable_hisparse", True):
             raise UsageError("--device_buffer_sweep needs --enable_hisparse (it sweeps HiSparse's buffer); drop one of them")
         check_residency_serving(values)
         if values["checkpoint"] is None:
@@ -269,7 +269,7 @@ def dynamic_residency(text: str) -> bool:
 
 def check_residency_serving(values: Mapping[str, Any]) -> None:
     """Dynamic residency keeps one device pool of pages per engine: one device only, for now."""
-    if not values["enable_hisparse"] or not dynamic_residency(values["hisparse_config"]):
+    if not values.get("enable_hisparse", True) or not dynamic_residency(values.get("hisparse_config", "")):
         return
     if values["tp_size"] != 1 or values["dp_size"] != 1 or values["enable_dp_attention"]:
         raise UsageError("--hisparse_config: dynamic_residency runs on one device only yet; drop --tp_size/--dp_size/--enable_dp_attention")
