@@ -13,7 +13,15 @@ Dynamic residency (SGLang's / vLLM's hybrid HiSparse) is an optional nested obje
     {"top_k": 2048, "dynamic_residency": {"mode": "adaptive",
                                           "promote_watermark": 0.5, "demote_watermark": 0.1}}
 
-Absent, every request is host-backed (the plain hot buffer); see ResidencyConfig.
+Absent, every request is host-backed (the plain hot buffer); see ResidencyConfig. SGLang's own
+spelling, flat keys beside `"dynamic_residency": true`, is read as the same object:
+
+    {"top_k": 2048, "dynamic_residency": true, "dynamic_residency_mode": "adaptive",
+     "dynamic_residency_promote_watermark": 0.5, "dynamic_residency_demote_watermark": 0.1}
+
+(a flat key left out takes ResidencyConfig's default, not SGLang's: SGLang's promote watermark is
+0.2). SGLang keys this library does not implement (dynamic_residency_max_tokens and the other
+admission limits, algorithm, backend, ...) are refused by name rather than ignored.
 """
 
 from __future__ import annotations
@@ -53,6 +61,40 @@ def _fields_of(cls, values, name: str) -> dict:
 
 
 RESIDENCY_MODES = ("adaptive", "forced_resident", "forced_host_backed")
+_FLAT_RESIDENCY_PREFIX = "dynamic_residency_"  # SGLang's flat spelling: dynamic_residency_<field>
+# SGLang --hisparse-config keys with no counterpart here: refused by name, never silently dropped.
+_SGLANG_ONLY_KEYS = frozenset(
+    {"algorithm", "backend", "min_sparse_prompt_len", "page_size", "dynamic_residency_max_tokens",
+     "dynamic_residency_max_requests", "dynamic_residency_min_remaining_tokens", "dynamic_residency_cooldown_steps",
+     "dynamic_residency_admission_window_seconds"}
+)  # fmt: skip
+
+
+def normalized(values: Mapping[str, Any]) -> dict:
+    """A parsed --hisparse-config object in this library's spelling: SGLang's flat residency keys
+    (`"dynamic_residency": true` + `dynamic_residency_mode`, `..._promote_watermark`,
+    `..._demote_watermark`) become the nested `dynamic_residency` object; `"dynamic_residency":
+    false` is no residency. SGLang keys not implemented here raise, naming them."""
+    if not isinstance(values, Mapping):
+        raise HiSparseConfigError(f"hisparse_config must be a JSON object, got {type(values).__name__}")
+    values = dict(values)
+    unsupported = sorted(_SGLANG_ONLY_KEYS & set(values))
+    if unsupported:
+        raise HiSparseConfigError(f"SGLang's hisparse_config field(s) {unsupported} are not supported here; drop them")
+    flat = {k[len(_FLAT_RESIDENCY_PREFIX) :]: values.pop(k) for k in list(values) if k.startswith(_FLAT_RESIDENCY_PREFIX)}
+    switch = values.get("dynamic_residency")
+    if isinstance(switch, bool):
+        if flat and not switch:
+            raise HiSparseConfigError(f"dynamic_residency_* fields {sorted(flat)} are set but dynamic_residency is false")
+        values["dynamic_residency"] = flat if switch else None
+        if values["dynamic_residency"] is None:
+            del values["dynamic_residency"]
+    elif flat:
+        raise HiSparseConfigError(
+            f"dynamic_residency_{sorted(flat)[0]} needs \"dynamic_residency\": true (SGLang's flat spelling) or"
+            " the nested object {\"dynamic_residency\": {...}}"
+        )
+    return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +172,9 @@ class HiSparseConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "HiSparseConfig":
-        """The config of a parsed `--hisparse-config` object; unknown fields raise."""
-        values = _fields_of(cls, values, "hisparse_config")
+        """The config of a parsed `--hisparse-config` object (this library's or SGLang's
+        spelling, see normalized); unknown fields raise."""
+        values = _fields_of(cls, normalized(values), "hisparse_config")
         # SGLang's default buffer is twice the top_k the user gave, not twice the default top_k.
         if "device_buffer_size" not in values and "top_k" in values:
             _require_positive_int("top_k", values["top_k"])

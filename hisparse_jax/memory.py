@@ -2,7 +2,8 @@
 
 The host pool lives in `pinned_host` memory, which the GPU reads and writes directly over PCIe
 (UVA), so swap-in kernels gather from it with no staging copy. The CPU backend has the same
-memory kind, so CPU tests run the very same code path.
+memory kind, so CPU tests run the very same code path (except the TPU kernels in TPU interpret
+mode: host_pool_kind).
 """
 
 from __future__ import annotations
@@ -15,6 +16,20 @@ from jax.sharding import SingleDeviceSharding
 
 PINNED_HOST = "pinned_host"
 DEVICE = "device"
+
+
+def host_pool_kind(implementation: str | None = None) -> str:
+    """Where a HiSparse host pool lives for kernels of `implementation` (pallas_kernels'
+    "reference" / "pallas" / "tpu", None: the backend's default): pinned_host, except for the TPU
+    kernels off a TPU. There they run in TPU interpret mode, and JAX 0.11.2 cannot lower a jit
+    that holds a pinned_host array and an interpret-mode TPU kernel on the CPU (docs/tpu.md), so
+    the pool lives in device memory: on the CPU the same host RAM, without the pinned kind. On a
+    TPU the pool is pinned_host, as on a GPU."""
+    from pallas_kernels.common import on_tpu, resolve_implementation
+
+    if resolve_implementation(implementation) == "tpu" and not on_tpu():
+        return DEVICE
+    return PINNED_HOST
 
 
 def default_device() -> jax.Device:

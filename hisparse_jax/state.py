@@ -265,6 +265,7 @@ class HiSparseState:
         fill_value: float = 0.0,
         device: jax.Device | None = None,
         mesh: Mesh | None = None,
+        host_memory_kind: str | None = None,
         **device_options,
     ) -> "HiSparseState":
         """Allocates an empty state; every request slot starts free.
@@ -275,7 +276,8 @@ class HiSparseState:
         read shows; fp8 rows take 0 or NaN only). With a mesh, request slots and host pool rows
         are split over its "dp" axis (num_requests and num_host_pages must divide by its size).
         device_options go to _device_arrays (a subclass's own sizes, e.g. PagedHiSparseState's
-        num_device_pages).
+        num_device_pages). host_memory_kind: where the host pool lives (None: pinned_host;
+        memory.host_pool_kind says where the kernels of an implementation need it).
         """
         B = config.device_buffer_size
         if num_host_pages is None:
@@ -292,7 +294,7 @@ class HiSparseState:
             lru_slots=lru,
             # With a mesh, each data-parallel group owns the contiguous pool block of its shard
             # and its page table holds page numbers local to that block.
-            host_pool=place("host_pool", (L, num_host_pages * page_size, W), layout.dtype, fill_value, memory.PINNED_HOST),
+            host_pool=place("host_pool", (L, num_host_pages * page_size, W), layout.dtype, fill_value, host_memory_kind or memory.PINNED_HOST),
             host_page_table=place("host_page_table", (R, pages_per_request), jnp.int32, -1),
             seq_lens=place("seq_lens", (R,), jnp.int32, 0),
             swap_in_scratch=place("swap_in_scratch", (R, max_context), jnp.int32, SCRATCH_EMPTY),

@@ -92,6 +92,22 @@ def check_kv_cache_dtype(kv_cache_dtype: str, config, dtype: str) -> None:
     )
 
 
+def check_decode_options(config, parallel, implementation: str | None, *, num_prompts: int | None = None) -> dict:
+    """Checkpoint decoding's mesh and kernels -> the keywords of the family's decode: a mesh
+    (parallel over several devices) or an implementation only for a family that decodes on a
+    mesh (DSA); the mesh must split the model and the prompts evenly."""
+    family = family_of_config(config)
+    mesh = parallel is not None and not parallel.is_single_device
+    if not family.decodes_on_a_mesh:
+        if mesh:
+            raise InputError(f"{config.model_type} checkpoint decoding runs on one device (tp_size = dp_size = 1)")
+        if implementation is not None:
+            raise InputError(f"{config.model_type} checkpoint decoding runs its default kernels; implementation {implementation!r} is not taken")
+        return {}
+    inputs.check_parallel(config, parallel if mesh else None, num_requests=num_prompts, requests="prompts")
+    return dict(parallel=parallel if mesh else None, implementation=implementation)
+
+
 def load_config(checkpoint: str | os.PathLike):
     """The architecture of a Hugging Face checkpoint directory (its config.json), weights untouched:
     the config class of its model_type's family (models.families: DSAModelConfig,
@@ -123,12 +139,17 @@ def decode_checkpoint(
     dtype=None,
     hisparse=None,
     kv_cache_dtype: str = "auto",
+    parallel=None,
+    implementation: str | None = None,
 ) -> DecodeOutput:
     """Loads a Hugging Face checkpoint, greedy-decodes the prompts of an .npz (`input_ids`
     int32 [B, T]) and writes `tokens` int32 [B, N] and `logits` float32 [B, N, V] to output_path
     (which must end in .npz: it is the file written). dtype: the params' dtype (None:
     bfloat16); hisparse: a HiSparseConfig, or None for no offload. kv_cache_dtype: as create_cache's (DSA
     models; DeepSeek-V4 and MiniMax-M3 keep their caches in `dtype` and take "auto" only).
+    parallel (a hisparse_jax.sharding.ParallelConfig: a tensor / data-parallel mesh) and
+    implementation (the kernels: "reference", "pallas", "tpu"; None: the backend's default) are
+    taken by families with decodes_on_a_mesh (DSA); others refuse them (InputError).
 
     The model family comes from config.json's model_type (deepseek_v32 /
     glm_moe_dsa, deepseek_v4, minimax_m3_vl_text / minimax_m3_vl), which picks the loader and the
@@ -149,7 +170,8 @@ def decode_checkpoint(
     check_kv_cache_dtype(kv_cache_dtype, config, np.dtype(dtype).name)
     index_key_dtype(kv_cache_dtype, dtype)  # a ValueError for an unknown name, before the weights load
     output_path = inputs.check_output_path(output_path)
-    out = family.decode(checkpoint, prompts, max_new_tokens, dtype=dtype, hisparse=hisparse, kv_cache_dtype=kv_cache_dtype)
+    options = check_decode_options(config, parallel, implementation, num_prompts=prompts.shape[0])
+    out = family.decode(checkpoint, prompts, max_new_tokens, dtype=dtype, hisparse=hisparse, kv_cache_dtype=kv_cache_dtype, **options)
     logging.info("decoded %s: %s (%s family), params %s", checkpoint, config.model_type, family.name, np.dtype(dtype).name)
     partial = f"{output_path}.partial-{os.getpid()}"
     try:

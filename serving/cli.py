@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 
@@ -40,10 +41,12 @@ from models.dsa.decoding import prefetch_start_point
 from models.dsa.footprint import DeviceFootprint
 from models.dsa.loading import load_hf_checkpoint
 from models.dsa.model import DSAForCausalLM
-from models.dsa.runner import ModelRunner, resolved_shared_prefetch
+from models.common.runner import padded_prompt_length
+from models.dsa.runner import ModelRunner, PrefilledKV, resolved_shared_prefetch
 from models.registry import decode_checkpoint
 from serving.disaggregation import KVReceiver, KVSender, parse_address
-from serving.engine import Engine, EngineConfig
+from serving.engine import Engine, EngineConfig, progress_bar
+from serving import fit
 from serving.errors import UsageError
 from serving.telemetry import format_summary, steps_to_json, write_json
 from serving.validation import (
@@ -52,11 +55,12 @@ from serving.validation import (
     CheckpointDecode,
     check_family_serving,
     check_flag,
+    check_residency_serving,
     checkpoint_config,
     flag_errors,
     resolve_hisparse_config,
 )
-from serving.workload import random_requests
+from serving.workload import Request, random_requests
 
 DTYPES = {name: getattr(jnp, name) for name in DTYPE_NAMES}
 
@@ -81,7 +85,9 @@ class ServingArgs:
     max_concurrency: tuple[int, ...] = ()  # () : max_running_requests
     seed: int = 0
     compare_baseline: bool = True
-    device_buffer_sweep: tuple[int, ...] = ()
+    # HiSparse device_buffer_size values swept at the highest concurrency; None: top_k x (1, 2, 4)
+    # with HiSparse, none without (run_decode's default when the flag is not set)
+    device_buffer_sweep: tuple[int, ...] | None = ()
     synthetic_topk_overlap: float | None = None
     eos_token_id: int | None = None
     page_size: int = 16
@@ -100,6 +106,7 @@ class ServingArgs:
     enable_dp_attention: bool = False
     disaggregation_mode: str = "null"  # SGLang's --disaggregation-mode: null (colocated), prefill, decode
     disaggregation_address: str = "127.0.0.1:5757"  # the decode instance's control address
+    disaggregation_timeout_s: float = 60.0  # how long either PD instance waits for the other
 
     def __post_init__(self):
         for field in dataclasses.fields(self):  # each value by its flag's rule (validation.check_flag)
@@ -113,7 +120,8 @@ class ServingArgs:
             if not self.parallel.is_single_device:
                 raise UsageError("--disaggregation_mode runs one device per instance here; drop --tp_size/--dp_size")
         if not self.enable_hisparse and self.device_buffer_sweep:
-            raise UsageError("--device_buffer_sweep needs --enable_hisparse")
+            raise UsageError("--device_buffer_sweep needs --enable_hisparse (it sweeps HiSparse's buffer); drop one of them")
+        check_residency_serving(dataclasses.asdict(self))
         check_prefetch_environment(self.implementation)
 
     @property
@@ -132,6 +140,14 @@ class ServingArgs:
         if self.synthetic_topk_overlap is None:
             return "model selection"
         return f"SYNTHETIC top-k, overlap {self.synthetic_topk_overlap:g}"
+
+
+def buffer_sweep(args: ServingArgs, hisparse: HiSparseConfig) -> tuple[int, ...]:
+    """The device_buffer_size values to sweep: the flag's, or by default 1, 2 and 4 x top_k with
+    HiSparse (16, 32, 64 on the tiny models) and none without."""
+    if args.device_buffer_sweep is not None:
+        return args.device_buffer_sweep
+    return tuple(f * hisparse.top_k for f in (1, 2, 4)) if args.enable_hisparse else ()
 
 
 def model_config(args: ServingArgs):
@@ -189,7 +205,6 @@ class _Prepared:
 
 def _prepare(args: ServingArgs) -> _Prepared:
     config = model_config(args)  # everything is checked before the weights are built
-    family = registry.family_of_config(config)
     check_family_serving(config, dataclasses.asdict(args))  # flags another family's runner cannot honour
     with flag_errors("--tp_size/--dp_size/--enable_dp_attention"):
         inputs.check_parallel(config, args.parallel, num_requests=args.max_running_requests, requests="request slots (--max_running_requests)")
@@ -201,8 +216,10 @@ def _prepare(args: ServingArgs) -> _Prepared:
         range_ratio=args.random_range_ratio, vocab_size=config.vocab_size, seed=args.seed, eos_token_id=args.eos_token_id,
     )  # fmt: skip
     context = args.context_length or max(r.max_tokens for r in requests)
+    if args.disaggregation_mode == "decode":  # what arrives: any request the workload flags allow
+        context = args.context_length or args.random_input_len + args.random_output_len
     longest = max(requests, key=lambda r: r.max_tokens)
-    if longest.max_tokens > context:
+    if longest.max_tokens > context and args.disaggregation_mode != "decode":
         raise UsageError(
             f"request {longest.id} needs {longest.max_tokens} tokens ({longest.prompt_len} prompt +"
             f" {longest.max_new_tokens} new) > context_length {context}"
@@ -210,23 +227,39 @@ def _prepare(args: ServingArgs) -> _Prepared:
     if context > config.max_position_embeddings:
         source = f"--context_length={context}" if args.context_length else f"the workload's longest request ({context} tokens)"
         raise UsageError(f"{source} exceeds the model's max_position_embeddings ({config.max_position_embeddings})")
-    for size in args.device_buffer_sweep:
+    for size in buffer_sweep(args, hisparse):
         if size < hisparse.top_k:
             raise UsageError(f"--device_buffer_sweep: device_buffer_size ({size}) must be >= top_k ({hisparse.top_k})")
-    model, model_name = load_model(args)
     dtype = DTYPES[args.dtype]
+    footprints = {mode: _footprint(config, args, hisparse if mode == "hisparse" else None) for mode in ("hisparse", "baseline")}
     if args.kv_budget_gb is not None:
         budget, budget_source = int(args.kv_budget_gb * 1e9), "--kv_budget_gb"
     else:
         # Auto: HiSparse's R slots at full context fit exactly; the baseline gets the same bytes.
-        if family.footprint is not None:  # DeepSeek-V4, MiniMax-M3: the runner's own count
-            footprint = family.footprint(config, dtype, hisparse)
-        else:
-            prefetch = resolved_shared_prefetch(args.parallel, args.implementation)  # as the runner will
-            footprint = DeviceFootprint.of(config, dtype, hisparse, args.kv_cache_dtype, prefetch)
-        budget = args.max_running_requests * footprint.request_bytes(context)
+        budget = args.max_running_requests * footprints["hisparse"].request_bytes(context)
         budget_source = "auto: max_running_requests HiSparse requests at context_length"
+    # Each engine allocates its R slots' KV (the baseline's at full context: a static array); a PD
+    # prefill instance holds one prompt's KV at a time.
+    R, modes = args.max_running_requests, args.modes
+    if args.disaggregation_mode == "prefill":
+        R, modes = 1, ("baseline",)
+    fit.check_fits(
+        f"--checkpoint={args.checkpoint}" if args.checkpoint else f"--model={args.model}", config, dtype,
+        kv_device_bytes=R * max(footprints[m].request_bytes(context) for m in modes),
+        kv_host_bytes=R * footprints["hisparse"].host_request_bytes(context) if "hisparse" in modes else 0,
+        parallel=args.parallel,
+    )  # fmt: skip
+    model, model_name = load_model(args)
     return _Prepared(config, hisparse, requests, context, model, model_name, budget, budget_source)
+
+
+def _footprint(config, args: ServingArgs, hisparse: HiSparseConfig | None):
+    """Device bytes per request of an engine serving `config` with `hisparse` (None: the baseline)."""
+    family = registry.family_of_config(config)
+    if family.footprint is not None:  # DeepSeek-V4, MiniMax-M3: the runner's own count
+        return family.footprint(config, DTYPES[args.dtype], hisparse)
+    prefetch = resolved_shared_prefetch(args.parallel, args.implementation)  # as the runner will
+    return DeviceFootprint.of(config, DTYPES[args.dtype], hisparse, args.kv_cache_dtype, prefetch)
 
 
 def run_serving(args: ServingArgs) -> dict:
@@ -251,6 +284,7 @@ def run_serving(args: ServingArgs) -> dict:
                           seed=args.seed, output_tokens=sum(r.max_new_tokens for r in requests)),
         ),  # fmt: skip
         capacity={},
+        kv_bytes_per_request={},  # mode -> {tokens (context_length), device, host}
         points=[],
         buffer_sweep=[],
     )
@@ -261,6 +295,7 @@ def run_serving(args: ServingArgs) -> dict:
     for mode in args.modes:
         engine = _engine(runner, args, hisparse if mode == "hisparse" else None, context, budget)
         results["capacity"][mode] = engine.capacity(context)
+        results["kv_bytes_per_request"][mode] = engine.kv_bytes_per_request()
         if mode == "hisparse":
             host_pages = engine.cache.kv.num_host_pages
         engine.warmup(requests, progress=args.progress)
@@ -271,7 +306,7 @@ def run_serving(args: ServingArgs) -> dict:
             if mode == "hisparse" and concurrency == max(concurrencies):
                 reusable = run
             write_json(json_path, results)  # partial results survive an interruption
-    for size in args.device_buffer_sweep:
+    for size in buffer_sweep(args, hisparse):
         num_host_pages = host_pages or _host_pages(hisparse, args)
         if size == hisparse.device_buffer_size and reusable is not None:
             run = reusable  # the same configuration, already measured above
@@ -287,7 +322,8 @@ def run_serving(args: ServingArgs) -> dict:
         results["buffer_sweep"].append(point)
         tokens["buffer", size] = run.tokens
         write_json(json_path, results)
-    results["tokens_identical"] = _all_identical(tokens, [r.id for r in requests])
+    # None when a single run leaves nothing to compare
+    results["tokens_identical"] = _all_identical(tokens, [r.id for r in requests]) if len(tokens) > 1 else None
     results["files"] = _plot(results, args.output_dir, prefix, args.label)
     write_json(json_path, results)
     results["files"]["results"] = json_path
@@ -296,40 +332,87 @@ def run_serving(args: ServingArgs) -> dict:
 
 def run_prefill_instance(args: ServingArgs) -> str:
     """PD prefill instance: prefills the workload and hands every request's KV to the decode
-    instance at --disaggregation_address (serving.disaggregation). Returns a report line."""
+    instance at --disaggregation_address (serving.disaggregation), waiting up to
+    --disaggregation_timeout_s for it to listen. Rows go as this runner stores them
+    (--kv_cache_dtype=fp8_e4m3: the 656 B fp8 rows, quantised here). Returns a report line."""
     prepared = _prepare(args)
     runner = ModelRunner(prepared.model, implementation=args.implementation, kv_cache_dtype=args.kv_cache_dtype)
-    sender = KVSender(parse_address(args.disaggregation_address))
+    sender = KVSender(parse_address(args.disaggregation_address), timeout_s=args.disaggregation_timeout_s)
     first_token = jax.jit(lambda logits: jnp.argmax(logits).astype(jnp.int32))
-    for request in prepared.requests:
-        kv = runner.prefill_kv(request.prompt)
-        sender.send(request, kv, int(first_token(kv.logits)))
-    sender.close()
-    return f"prefilled and sent {len(prepared.requests)} requests to {args.disaggregation_address}"
+    bar, rows = progress_bar(args.progress, total=len(prepared.requests), desc="prefill and send", unit="req"), 0
+    try:
+        for request in prepared.requests:
+            kv = runner.prefill_kv(request.prompt)
+            sender.send(request, kv, int(first_token(kv.logits)))
+            rows += request.prompt_len * len(kv.rows)
+            bar.update(1)
+        sender.close()
+    finally:
+        bar.close()
+    row = runner.row_layout
+    return (
+        f"prefilled and sent {len(prepared.requests)} requests to {args.disaggregation_address}: {rows} KV rows of"
+        f" {row.bytes_per_row} B ({row.kind}), {rows * row.bytes_per_row / 1e6:.2f} MB of prompt rows"
+    )
 
 
 def run_decode_instance(args: ServingArgs) -> dict:
-    """PD decode instance: admits each request once its KV arrived from the prefill instance,
-    decodes with HiSparse (or the baseline with --noenable_hisparse); writes results.json with
-    every request's tokens."""
+    """PD decode instance: compiles what arrivals run, listens at --disaggregation_address (for
+    up to --disaggregation_timeout_s until the prefill instance connects), admits each request
+    once its KV arrived and decodes with HiSparse (or the baseline with --noenable_hisparse);
+    writes results.json with every request's tokens. Its figures start at the first arrival:
+    neither the wait for the prefill instance nor compilation is in them."""
     prepared = _prepare(args)
     hisparse = prepared.hisparse if args.enable_hisparse else None
     runner = ModelRunner(prepared.model, implementation=args.implementation, kv_cache_dtype=args.kv_cache_dtype)
     engine = _engine(runner, args, hisparse, prepared.context, prepared.budget)
-    rows_kind = memory.PINNED_HOST if hisparse is not None else memory.DEVICE  # host pool, or device KV
-    receiver = KVReceiver(parse_address(args.disaggregation_address), rows_memory_kind=rows_kind)
-    run = engine.run([], max_concurrency=max(args.max_concurrency) if args.max_concurrency else None,
+    rows_kind = runner.host_memory_kind if hisparse is not None else memory.DEVICE  # host pool, or device KV
+    _warm_decode_instance(engine, runner, args, rows_kind, prepared.context)
+    address = parse_address(args.disaggregation_address)
+    receiver = KVReceiver(address, rows_memory_kind=rows_kind, timeout_s=args.disaggregation_timeout_s, check=engine.scheduler.check)
+    host, port = receiver.address
+    logging.info(
+        "decode instance (%s) listening on %s:%d for up to %g s; start the prefill instance with"
+        " --disaggregation_mode=prefill --disaggregation_address=%s:%d",
+        engine.config.mode, host, port, args.disaggregation_timeout_s, host, port,
+    )  # fmt: skip
+    run = engine.run([], max_concurrency=args.max_concurrency[0] if args.max_concurrency else None,
                      progress=args.progress, label=f"{engine.config.mode} decode", arrivals=receiver)  # fmt: skip
     os.makedirs(args.output_dir, exist_ok=True)
     results = dict(
-        run=dict(model=prepared.model_name, disaggregation_mode="decode", mode=engine.config.mode,
-                 context_length=prepared.context, max_running_requests=args.max_running_requests),  # fmt: skip
+        run=dict(model=prepared.model_name, disaggregation_mode="decode", mode=engine.config.mode, selection=args.label,
+                 kv_cache_dtype=args.kv_cache_dtype, address=f"{host}:{port}", context_length=prepared.context,
+                 max_running_requests=args.max_running_requests,
+                 clock="from the first arrival (summary.first_arrival_wait_s: the wait before it)"),  # fmt: skip
         summary=run.summary,
         tokens={str(i): t.tolist() for i, t in sorted(run.tokens.items())},
     )
-    results["files"] = {"results": os.path.join(args.output_dir, "results.json")}
+    prefix = "" if args.synthetic_topk_overlap is None else f"synthetic_overlap{args.synthetic_topk_overlap:g}_"
+    results["files"] = {"results": os.path.join(args.output_dir, f"{prefix}results.json")}  # labelled as colocated runs
     write_json(results["files"]["results"], results)
     return results
+
+
+def _warm_decode_instance(engine: Engine, runner: ModelRunner, args: ServingArgs, rows_kind: str, context: int) -> None:
+    """Compiles, before the decode instance listens, what its arrivals run: admitting prefilled KV
+    (one compile per padded prompt length, for every length the workload flags allow), a decode
+    step on every bucket, retiring. The warm requests carry zero KV placed as KVReceiver places
+    it (rows in rows_kind, keys on the device)."""
+    lo, hi = max(1, int(args.random_input_len * args.random_range_ratio)), min(args.random_input_len, context - 1)
+    lengths = {padded_prompt_length(t, runner.prefill_chunk)[0]: t for t in range(lo, hi + 1)}  # a prompt length per bucket
+    keys = engine.cache.index_keys
+    warm = []
+    for i, (padded, length) in enumerate(sorted(lengths.items())):
+        kv = PrefilledKV(
+            tuple(memory.allocate((padded, runner.row_layout.width), runner.row_layout.dtype, 0, rows_kind) for _ in range(runner.config.num_layers)),
+            tuple(memory.allocate((padded, keys.shape[-1]), keys.dtype, 0, memory.DEVICE) for _ in range(keys.shape[0])),
+            None,
+            tuple(memory.allocate((padded,), jnp.float32, 0, memory.DEVICE) for _ in range(keys.shape[0]) if engine.cache.index_key_scales.shape[-1]),
+            runner.row_layout,
+        )  # fmt: skip
+        warm.append(Request(i, np.zeros(length, np.int32), min(2, context - length), prefilled=kv, first_token=0))
+    engine.run(warm, max_concurrency=1)
+    engine.compile_buckets(progress=args.progress)
 
 
 def _host_pages(hisparse: HiSparseConfig, args: ServingArgs) -> int:
@@ -396,6 +479,8 @@ def format_report(results: dict) -> str:
         f"device KV budget {run['kv_budget_bytes'] / 1e6:.3f} MB ({run['kv_budget_source']}); context_length"
         f" {run['context_length']}; max_running_requests {run['max_running_requests']}; hisparse_config {run['hisparse_config']}",
         "requests of context_length that fit at once: " + ", ".join(f"{m} {n}" for m, n in results["capacity"].items()),
+        f"KV bytes per request at context_length {run['context_length']}: "
+        + "; ".join(f"{m} device {kv['device'] / 1e6:.3f} MB, host {kv['host'] / 1e6:.3f} MB" for m, kv in results["kv_bytes_per_request"].items()),
     ]
     for p in results["points"]:
         lines.append(format_summary(f"{p['mode']} c={p['max_concurrency']}", p))
@@ -405,7 +490,8 @@ def format_report(results: dict) -> str:
         by = {(p["mode"], p["max_concurrency"]): p["output_throughput"] for p in results["points"]}
         ratios = [f"c={c}: {by['hisparse', c] / by['baseline', c]:.2f}x" for (m, c) in by if m == "hisparse" and ("baseline", c) in by]
         lines.append("hisparse / baseline output throughput: " + ", ".join(ratios))
-    lines.append(f"same tokens for every request in every run: {results['tokens_identical']}")
+    if results["tokens_identical"] is not None:  # two runs or more to compare
+        lines.append(f"same tokens for every request in every run: {results['tokens_identical']}")
     lines.extend(results.get("notes", []))
     lines.append("wrote " + ", ".join(results["files"].values()))
     return "\n".join(lines)
@@ -425,11 +511,27 @@ def run_checkpoint_decode(job: CheckpointDecode):
     """Greedy decoding of a checkpoint over job.prompts -> job.output (models.registry.decode_checkpoint);
     job comes from validation.check_checkpoint_decode, every input already checked. What only
     loading can find (missing or misshapen tensors, an unwritable output) is a UsageError too."""
-    check_prefetch_environment(None)
+    check_prefetch_environment(job.implementation)
+    B, T = job.prompts_shape
+    context, dtype = T + job.max_new_tokens, DTYPES[job.dtype]
+    family = registry.family_of_config(job.config)
+    if family.footprint is not None:  # DeepSeek-V4, MiniMax-M3
+        footprint = family.footprint(job.config, dtype, job.hisparse)
+    else:
+        footprint = DeviceFootprint.of(job.config, dtype, job.hisparse, job.kv_cache_dtype)
+    try:
+        parallel = ParallelConfig(job.tp_size, job.dp_size, job.enable_dp_attention)
+        parallel.make_mesh()  # enough devices?
+    except ParallelConfigError as error:
+        raise UsageError(f"--tp_size/--dp_size/--enable_dp_attention: {error}") from None
+    fit.check_fits(
+        f"--checkpoint={job.checkpoint}", job.config, dtype, kv_device_bytes=B * footprint.request_bytes(context),
+        kv_host_bytes=B * footprint.host_request_bytes(context), parallel=parallel,
+    )  # fmt: skip
     try:
         return decode_checkpoint(
             job.checkpoint, job.prompts, job.output, max_new_tokens=job.max_new_tokens, dtype=DTYPES[job.dtype],
-            hisparse=job.hisparse, kv_cache_dtype=job.kv_cache_dtype,
+            hisparse=job.hisparse, kv_cache_dtype=job.kv_cache_dtype, parallel=parallel, implementation=job.implementation,
         )  # fmt: skip
     except (CheckpointError, UnsupportedModelError) as error:
         raise UsageError(f"--checkpoint: {error}") from None

@@ -85,7 +85,7 @@ class _NoBar:
         pass
 
 
-def _bar(enabled: bool, **kwargs):
+def progress_bar(enabled: bool, **kwargs):
     """A tqdm progress bar, or nothing; tqdm (the `serving` extra) is imported only when shown,
     and without it the run goes on with a one-time warning instead of bars."""
     if not enabled:
@@ -209,7 +209,7 @@ class Engine:
         except ValueError as error:  # a hisparse_config the model cannot run, e.g. its top_k
             raise UsageError(str(error)) from None
         if hisparse is not None and hisparse.dynamic_residency is not None and runner.mesh is not None:
-            raise UsageError("dynamic_residency does not run with data-parallel attention yet (one device pool per engine)")
+            raise UsageError("dynamic_residency runs on one device only yet (one device pool per engine); drop the mesh")
         self.cache: DecodeCache = self._empty_cache()
         # Data-parallel attention (runner.mesh): each group schedules its own slots, host pool
         # block and share of the device budget, as SGLang's DP ranks do.
@@ -303,6 +303,13 @@ class Engine:
         if self._host_pages is not None:
             fits = min(fits, sum(pool.num_pages // pool.pages_for(num_tokens) for pool in self._host_pages))
         return fits
+
+    def kv_bytes_per_request(self, num_tokens: int | None = None) -> dict:
+        """KV bytes one request of `num_tokens` tokens (default: context_length) holds: on the device
+        as admission counts them (HiSparse: its hot buffers + indexer keys; the baseline: every row
+        + keys) and in the host pool (HiSparse: every offloaded row; the baseline: 0)."""
+        tokens = num_tokens or self.config.context_length
+        return dict(tokens=tokens, device=self.footprint.request_bytes(tokens), host=self.footprint.host_request_bytes(tokens))
 
     # ---- one request --------------------------------------------------------------------------------
 
@@ -479,8 +486,11 @@ class Engine:
         inflight: _InFlight | None = None  # the last dispatched step, its results not read yet
         previous = None  # i32[R] on the device: the last dispatched step's tokens
         last_ready = -np.inf  # perf_counter when the last read step's results were ready
-        prefill_bar = _bar(progress, total=len(requests) if arrivals is None else None, desc=f"{label} prefill".strip(), unit="req")
-        decode_bar = _bar(
+        # PD decode instance with nothing to start with: the clock starts at the first arrival, so the
+        # figures leave out the wait for the prefill instance (first_arrival_wait_s says how long)
+        clock_waits, waited_s = arrivals is not None and not requests, None
+        prefill_bar = progress_bar(progress, total=len(requests) if arrivals is None else None, desc=f"{label} prefill".strip(), unit="req")
+        decode_bar = progress_bar(
             progress, total=sum(r.max_new_tokens for r in requests) if arrivals is None else None,
             desc=f"{label} decode".strip(), unit="tok",
         )  # fmt: skip
@@ -538,6 +548,9 @@ class Engine:
                 if arrivals is not None:
                     idle = not pending and not in_flight  # nothing to do but wait for the next arrival
                     for request in arrivals.poll(timeout=0.05 if idle else None):
+                        if clock_waits:
+                            now = time.perf_counter()
+                            waited_s, start, clock_waits = now - start, now, False
                         self.scheduler.check(request)
                         requests.append(request)
                         pending.append(request)
@@ -605,11 +618,14 @@ class Engine:
         ordered = [traces[r.id] for r in requests]
         summary = summarize(steps, ordered, duration, measure_ttft=not self.config.synthetic_context)
         summary.update(mode=self.config.mode, selection=self.config.selection, max_concurrency=limit,
-                       synthetic_context=self.config.synthetic_context)  # fmt: skip
+                       synthetic_context=self.config.synthetic_context,
+                       kv_bytes_per_request=self.kv_bytes_per_request())  # fmt: skip
         if self.selector is not None:
             summary["measured_topk_overlap"] = self.selector.measured_overlap
         if self.residency is not None:
             summary["residency"] = self.residency.summary()
+        if waited_s is not None:
+            summary["first_arrival_wait_s"] = waited_s
         outputs = {r.id: np.asarray(generated[r.id], np.int32) for r in requests}
         return RunResult(outputs, steps, ordered, summary)
 
@@ -638,7 +654,7 @@ class Engine:
         moved, and the timed run that follows compiles nothing."""
         if self.scheduler.running_slots():
             raise RuntimeError("compile_buckets needs an idle engine")
-        bar = _bar(progress, total=len(self.buckets), desc="compile decode buckets", unit="bucket")
+        bar = progress_bar(progress, total=len(self.buckets), desc="compile decode buckets", unit="bucket")
         try:
             for b in self.buckets:
                 tokens, positions = np.zeros(b, np.int32), np.full(b, -1, np.int32)  # i32[b]: all inactive

@@ -15,6 +15,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from serving.telemetry import written_whole  # noqa: E402
+
 
 def rolling_mean(values, window: int) -> np.ndarray:
     """Trailing mean over up to `window` values (shorter at the start)."""
@@ -33,7 +35,8 @@ def _title(ax, text: str) -> None:
 
 def _save(fig, path) -> None:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with written_whole(path) as tmp:  # whole or not at all, as the results JSON
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
 
 

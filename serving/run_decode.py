@@ -17,7 +17,8 @@ Serving writes results.json and PNG plots to --output_dir and prints a summary; 
 decoding (--prompts/--output) writes `tokens` int32 [B, N] and `logits` float32 [B, N, vocab].
 Bad input (an unknown flag, a bad value, a flag the mode does not read, prompts the model cannot
 take, unusable files) ends with one `error: ...` line on stderr and exit status 2, before JAX
-starts and before anything is written (serving.validation holds the checks).
+starts and before anything is written (serving.validation holds the checks). Ctrl-C ends with
+one `interrupted` line and exit status 130; every file is written whole or not at all.
 Intentionally thin: flags -> library. The top-level run_decode.py and the `hisparse-decode`
 console command run this module's run().
 """
@@ -41,9 +42,10 @@ _OUTPUT = flags.DEFINE_string("output", None, "Checkpoint decoding: .npz to writ
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 16, "Checkpoint decoding: tokens to generate per prompt.")
 _ENABLE_HISPARSE = flags.DEFINE_bool("enable_hisparse", True, "KV in pinned host memory, a hot buffer per request on the device (--noenable_hisparse: baseline only).")
 _HISPARSE_CONFIG = flags.DEFINE_string(
-    "hisparse_config", '{"host_to_device_ratio": 8}',
-    "HiSparse settings as JSON, as SGLang's --hisparse-config; top_k defaults to the model's index_topk,"
-    " device_buffer_size to 2 x top_k. Default: SGLang's colocated host_to_device_ratio 8.",
+    "hisparse_config", "",
+    "HiSparse settings as JSON, as SGLang's --hisparse-config (its flat dynamic_residency_* keys too); keys left out:"
+    " top_k the model's index_topk, device_buffer_size 2 x top_k, host_to_device_ratio 8 (SGLang's colocated"
+    " setting), swap_in_block_size 960.",
 )  # fmt: skip
 _CONTEXT_LENGTH = flags.DEFINE_integer("context_length", None, "Most tokens (prompt + output) per request; default: the workload's longest.")
 _MAX_RUNNING_REQUESTS = flags.DEFINE_integer("max_running_requests", 8, "Request slots: the static decode batch.")
@@ -65,7 +67,11 @@ _RANDOM_RANGE_RATIO = flags.DEFINE_float("random_range_ratio", 0.5, "Lengths are
 _MAX_CONCURRENCY = flags.DEFINE_string("max_concurrency", "1,4,8", "Requests in flight at most; a comma list sweeps it.")
 _SEED = flags.DEFINE_integer("seed", 0, "Workload, random weights and synthetic selection seed.")
 _COMPARE_BASELINE = flags.DEFINE_bool("compare_baseline", True, "Also run the full-KV baseline on the same workload and budget.")
-_DEVICE_BUFFER_SWEEP = flags.DEFINE_string("device_buffer_sweep", "16,32,64", "HiSparse device_buffer_size values to sweep at the highest concurrency ('' : none).")
+_DEVICE_BUFFER_SWEEP = flags.DEFINE_string(
+    "device_buffer_sweep", None,
+    "HiSparse device_buffer_size values to sweep at the highest concurrency ('': none). Default: 1, 2 and 4 x top_k"
+    " with HiSparse (16,32,64 on the tiny models), none with --noenable_hisparse.",
+)  # fmt: skip
 _SYNTHETIC_TOPK_OVERLAP = flags.DEFINE_float(
     "synthetic_topk_overlap", None,
     "SYNTHETIC decode selection: consecutive top-k sets share this fraction (miss-rate study; outputs labelled synthetic).",
@@ -73,7 +79,11 @@ _SYNTHETIC_TOPK_OVERLAP = flags.DEFINE_float(
 _EOS_TOKEN_ID = flags.DEFINE_integer("eos_token_id", None, "Stop a request at this token (default: run to its output length).")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per host page.")
 _OUTPUT_DIR = flags.DEFINE_string("output_dir", "outputs", "Where results.json and the plots go.")
-_IMPLEMENTATION = flags.DEFINE_string("implementation", None, "Kernels: reference or pallas (default: pallas on GPU, reference elsewhere).")
+_IMPLEMENTATION = flags.DEFINE_string(
+    "implementation", None,
+    "Kernels: reference, pallas or tpu (the Pallas TPU kernels; TPU interpret mode off a TPU, docs/tpu.md). Default:"
+    " pallas on GPU, tpu on TPU, reference elsewhere.",
+)  # fmt: skip
 _PROGRESS = flags.DEFINE_bool("progress", True, "Progress bars on prefill and decode.")
 _BATCH_BUCKETS = flags.DEFINE_bool(
     "batch_buckets", False,
@@ -98,9 +108,14 @@ _ENABLE_DP_ATTENTION = flags.DEFINE_bool(
 _DISAGGREGATION_MODE = flags.DEFINE_enum(
     "disaggregation_mode", "null", ["null", "prefill", "decode"],
     "PD disaggregation: prefill sends each request's KV to the decode instance at --disaggregation_address;"
-    " decode admits requests as their KV arrives. Start the decode instance first. null: colocated.",
+    " decode admits requests as their KV arrives. Either may start first (--disaggregation_timeout_s). null: colocated.",
 )  # fmt: skip
 _DISAGGREGATION_ADDRESS = flags.DEFINE_string("disaggregation_address", "127.0.0.1:5757", "The decode instance's host:port.")
+_DISAGGREGATION_TIMEOUT_S = flags.DEFINE_float(
+    "disaggregation_timeout_s", 60.0,
+    "PD: how long the prefill instance retries its connection to the decode instance, and the decode instance waits"
+    " for the prefill instance to connect, before one error line.",
+)  # fmt: skip
 
 
 def _use_host_devices(count: int) -> None:
@@ -144,8 +159,10 @@ def main(argv):
             job = validation.check_checkpoint_decode(
                 _CHECKPOINT.value, _PROMPTS.value, _OUTPUT.value, max_new_tokens=_MAX_NEW_TOKENS.value,
                 dtype=_DTYPE.value, enable_hisparse=_ENABLE_HISPARSE.value, hisparse_config=_HISPARSE_CONFIG.value,
-                kv_cache_dtype=_KV_CACHE_DTYPE.value,
+                kv_cache_dtype=_KV_CACHE_DTYPE.value, tp_size=_TP_SIZE.value, dp_size=_DP_SIZE.value,
+                enable_dp_attention=_ENABLE_DP_ATTENTION.value, implementation=_IMPLEMENTATION.value,
             )  # fmt: skip
+            _use_host_devices(job.num_devices)
         else:
             if _CHECKPOINT.value is not None:  # its config.json: a model serving runs (DSA), before JAX starts
                 validation.checkpoint_config(_CHECKPOINT.value)
@@ -162,6 +179,9 @@ def main(argv):
             cli.run_checkpoint_decode(job)
             print(f"wrote {job.output}")
             return
+        concurrency = validation.parse_int_list("--max_concurrency", _MAX_CONCURRENCY.value)
+        if _DISAGGREGATION_MODE.value != "null" and "max_concurrency" not in present:
+            concurrency = ()  # its default sweep is colocated serving's; a decode instance takes what arrives
         args = cli.ServingArgs(
             model=_MODEL.value, checkpoint=_CHECKPOINT.value, enable_hisparse=_ENABLE_HISPARSE.value,
             hisparse_config=_HISPARSE_CONFIG.value, context_length=_CONTEXT_LENGTH.value,
@@ -169,16 +189,17 @@ def main(argv):
             kv_cache_dtype=_KV_CACHE_DTYPE.value,
             num_prompts=_NUM_PROMPTS.value, random_input_len=_RANDOM_INPUT_LEN.value,
             random_output_len=_RANDOM_OUTPUT_LEN.value, random_range_ratio=_RANDOM_RANGE_RATIO.value,
-            max_concurrency=validation.parse_int_list("--max_concurrency", _MAX_CONCURRENCY.value), seed=_SEED.value,
+            max_concurrency=concurrency, seed=_SEED.value,
             compare_baseline=_COMPARE_BASELINE.value,
-            device_buffer_sweep=validation.parse_int_list("--device_buffer_sweep", _DEVICE_BUFFER_SWEEP.value),
+            device_buffer_sweep=None if _DEVICE_BUFFER_SWEEP.value is None else validation.parse_int_list(
+                "--device_buffer_sweep", _DEVICE_BUFFER_SWEEP.value),
             synthetic_topk_overlap=_SYNTHETIC_TOPK_OVERLAP.value, eos_token_id=_EOS_TOKEN_ID.value,
             page_size=_PAGE_SIZE.value, output_dir=_OUTPUT_DIR.value, implementation=_IMPLEMENTATION.value,
             progress=_PROGRESS.value, batch_buckets=_BATCH_BUCKETS.value, prefill_token_budget=_PREFILL_TOKEN_BUDGET.value,
             disable_overlap_schedule=_DISABLE_OVERLAP_SCHEDULE.value,
             tp_size=_TP_SIZE.value, dp_size=_DP_SIZE.value,
             enable_dp_attention=_ENABLE_DP_ATTENTION.value, disaggregation_mode=_DISAGGREGATION_MODE.value,
-            disaggregation_address=_DISAGGREGATION_ADDRESS.value,
+            disaggregation_address=_DISAGGREGATION_ADDRESS.value, disaggregation_timeout_s=_DISAGGREGATION_TIMEOUT_S.value,
         )  # fmt: skip
         if args.disaggregation_mode == "prefill":
             print(cli.run_prefill_instance(args))
@@ -190,6 +211,9 @@ def main(argv):
             print(cli.format_report(cli.run_serving(args)))
     except UsageError as error:
         _refuse(str(error))
+    except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT; files are written whole or not at all
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 def run() -> None:

@@ -10,6 +10,7 @@ run's wall time, TTFT and ITL (mean / p50 / p99, ms), plus the miss rate.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -94,8 +95,16 @@ def format_summary(label: str, summary: dict) -> str:
         f"  running {summary['mean_running']:5.1f} (max {summary['max_running']:3d})"
         f"  TTFT mean {fmt(ttft and ttft['mean']):>8} ms  ITL mean/p50/p99 {fmt(itl['mean'])}/{fmt(itl['p50'])}/{fmt(itl['p99'])} ms"
         f"  miss rate {summary['miss_rate']:.3f}  H2D {summary['h2d_bytes'] / 1e6:.2f} MB"
+        + _kv_text(summary.get("kv_bytes_per_request"))
         + _residency_text(summary.get("residency"))
     )
+
+
+def _kv_text(kv: dict | None) -> str:
+    """KV bytes per request at the engine's context length: device (as admission counts) and host pool."""
+    if kv is None:
+        return ""
+    return f"  KV/request device {kv['device'] / 1e6:.3f} MB host {kv['host'] / 1e6:.3f} MB"
 
 
 def _residency_text(residency: dict | None) -> str:
@@ -105,9 +114,21 @@ def _residency_text(residency: dict | None) -> str:
     return f"  residency {residency['promotions']} up / {residency['demotions']} down ({residency['promoted_rows']} rows copied)"
 
 
+@contextlib.contextmanager
+def written_whole(path: str | os.PathLike):
+    """Yields a scratch path beside `path` to write to; renamed onto `path` when the block ends
+    normally, removed otherwise (an error, Ctrl-C): `path` is written whole or not at all, and no
+    scratch file stays behind."""
+    tmp = f"{os.fspath(path)}.partial-{os.getpid()}"
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def write_json(path: str | os.PathLike, data) -> None:
-    """Writes atomically (a partial file never replaces a good one)."""
-    tmp = f"{os.fspath(path)}.tmp"
-    with open(tmp, "w") as f:
+    """Writes atomically (a partial file never replaces a good one, nor is left behind)."""
+    with written_whole(path) as tmp, open(tmp, "w") as f:
         json.dump(data, f, indent=1)
-    os.replace(tmp, path)

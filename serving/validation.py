@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import types
 from typing import Any, Collection, Mapping
 
 import numpy as np
@@ -26,6 +27,7 @@ import numpy as np
 from configs.deepseek_v4 import DeepseekV4Config
 from configs.minimax_m3 import MiniMaxM3Config
 from configs.model import DSAModelConfig
+from hisparse_jax import config as hisparse_config
 from hisparse_jax.config import HiSparseConfig, HiSparseConfigError
 from models import registry
 from models.common import inputs
@@ -44,8 +46,22 @@ MODELS = {
 DTYPE_NAMES = ("bfloat16", "float32")
 # SGLang's --kv-cache-dtype values offered here (models.dsa.decoding.create_cache also takes float32).
 KV_CACHE_DTYPE_NAMES = ("auto", "bfloat16", "fp8_e4m3")
-IMPLEMENTATIONS = ("reference", "pallas")
+IMPLEMENTATIONS = ("reference", "pallas", "tpu")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
+# --hisparse_config keys the user's JSON leaves out take these (then HiSparseConfig's, SGLang's):
+# run_decode serves colocated, SGLang's host_to_device_ratio 8 (docs/background.md).
+HISPARSE_DEFAULTS = {"host_to_device_ratio": 8}
+
+# What a PD instance does not read (serving/cli.py): the decode instance serves what arrives (the
+# prefill side's workload: its count, EOS and first tokens), one mode, no sweep; its context
+# length comes from --random_input_len + --random_output_len (or --context_length). The prefill
+# instance builds the workload and ships KV; it writes nothing and runs no engine.
+PD_DECODE_UNUSED = frozenset({"num_prompts", "eos_token_id", "compare_baseline", "device_buffer_sweep"})
+PD_PREFILL_UNUSED = frozenset(
+    {"output_dir", "enable_hisparse", "hisparse_config", "compare_baseline", "device_buffer_sweep", "max_concurrency",
+     "max_running_requests", "kv_budget_gb", "page_size", "batch_buckets", "prefill_token_budget",
+     "disable_overlap_schedule", "synthetic_topk_overlap"}
+)  # fmt: skip
 
 # run_decode.py's modes and the flags each reads. Serving (colocated or a PD instance) reads every
 # flag but checkpoint decoding's own; a flag set on the command line that the mode does not read
@@ -53,8 +69,9 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 SERVING = "serving (no --prompts/--output)"
 CHECKPOINT_DECODING = "checkpoint decoding (--prompts/--output)"
 CHECKPOINT_DECODING_FLAGS = frozenset(
-    {"checkpoint", "prompts", "output", "max_new_tokens", "dtype", "kv_cache_dtype", "enable_hisparse", "hisparse_config"}
-)
+    {"checkpoint", "prompts", "output", "max_new_tokens", "dtype", "kv_cache_dtype", "enable_hisparse", "hisparse_config",
+     "tp_size", "dp_size", "enable_dp_attention", "implementation"}
+)  # fmt: skip
 CHECKPOINT_DECODING_ONLY = frozenset({"prompts", "output", "max_new_tokens"})
 
 
@@ -88,6 +105,11 @@ def _is_int(value) -> bool:
 def _positive_int(name: str, value) -> None:
     if not _is_int(value) or value < 1:
         raise UsageError(f"--{name} must be a positive integer, got {value!r}")
+
+
+def _optional_positive_int(name: str, value) -> None:
+    if value is not None:
+        _positive_int(name, value)
 
 
 def _bool(name: str, value) -> None:
@@ -125,10 +147,12 @@ def _context_length(name: str, value) -> None:
 
 def _kv_budget_gb(name: str, value) -> None:
     if value is not None and not (math.isfinite(value) and value > 0):
-        raise UsageError(f"--kv_budget_gb must be a positive number, got {value}")
+        raise UsageError(f"--{name} must be a positive number, got {value}")
 
 
 def _int_list(name: str, value) -> None:
+    if value is None:  # the flag's default, resolved later (--device_buffer_sweep: from top_k)
+        return
     if isinstance(value, str):
         parse_int_list(f"--{name}", value)
     elif not all(_is_int(v) and v >= 1 for v in value):
@@ -136,7 +160,7 @@ def _int_list(name: str, value) -> None:
 
 
 def _hisparse_json(name: str, value) -> None:
-    _hisparse_values(value)
+    dynamic_residency(value)  # valid JSON, an object, SGLang's spellings read
 
 
 _RULES = {
@@ -154,10 +178,12 @@ _RULES = {
         ("enable_hisparse", "compare_baseline", "progress", "batch_buckets", "enable_dp_attention", "disable_overlap_schedule"),
         _bool,
     ),  # fmt: skip
+    "prefill_token_budget": _optional_positive_int,
     "seed": _non_negative_int,
     "eos_token_id": _non_negative_int,
     "context_length": _context_length,
     "kv_budget_gb": _kv_budget_gb,
+    "disaggregation_timeout_s": _kv_budget_gb,  # a positive number too
     "random_range_ratio": _fraction,
     "synthetic_topk_overlap": _fraction,
     "max_concurrency": _int_list,
@@ -186,8 +212,18 @@ def check_flags(mode: str, values: Mapping[str, Any], present: Collection[str]) 
         unused = sorted(set(present) & CHECKPOINT_DECODING_ONLY)
         if "model" in present and values["checkpoint"] is not None:
             raise UsageError("--model is not used with --checkpoint (its config.json is the model); drop one of them")
-        if "disaggregation_address" in present and values["disaggregation_mode"] == "null":
-            raise UsageError("--disaggregation_address is not used without --disaggregation_mode=prefill|decode")
+        pd = values.get("disaggregation_mode", "null")  # values: every flag's, or (tests) the ones that matter
+        for name in ("disaggregation_address", "disaggregation_timeout_s"):
+            if name in present and pd == "null":
+                raise UsageError(f"--{name} is not used without --disaggregation_mode=prefill|decode")
+        if pd != "null":
+            unused = sorted(set(unused) | (set(present) & (PD_DECODE_UNUSED if pd == "decode" else PD_PREFILL_UNUSED)))
+            mode = f"a PD {pd} instance (--disaggregation_mode={pd})"
+        if pd == "decode" and "max_concurrency" in present and len(parse_int_list("--max_concurrency", values["max_concurrency"])) > 1:
+            raise UsageError("--max_concurrency: a PD decode instance takes one value (requests in flight at most), not a sweep")
+        if "device_buffer_sweep" in present and not values.get("enable_hisparse", True):
+            raise UsageError("--device_buffer_sweep needs --enable_hisparse (it sweeps HiSparse's buffer); drop one of them")
+        check_residency_serving(values)
         if values["checkpoint"] is None:
             check_family_serving(MODELS[values["model"]](), values)
     if unused:
@@ -219,7 +255,24 @@ def check_family_serving(config, values: Mapping[str, Any]) -> None:
         raise UsageError(f"--prefill_token_budget: {name} serving prefills each prompt whole (one forward pass); drop it")
     if values["batch_buckets"]:
         raise UsageError(f"--batch_buckets: {name} serving decodes all --max_running_requests slots each step; drop it")
+    if values["enable_hisparse"] and dynamic_residency(values["hisparse_config"]):
+        raise UsageError(f"--hisparse_config: dynamic_residency is not supported by {name} serving yet; drop it")
 
+
+def dynamic_residency(text: str) -> bool:
+    """Whether --hisparse_config asks for dynamic residency (either spelling); no model needed."""
+    try:
+        return hisparse_config.normalized(_hisparse_values(text)).get("dynamic_residency") is not None
+    except HiSparseConfigError as error:
+        raise UsageError(f"--hisparse_config: {error}") from None
+
+
+def check_residency_serving(values: Mapping[str, Any]) -> None:
+    """Dynamic residency keeps one device pool of pages per engine: one device only, for now."""
+    if not values.get("enable_hisparse", True) or not dynamic_residency(values.get("hisparse_config", "")):
+        return
+    if values["tp_size"] != 1 or values["dp_size"] != 1 or values["enable_dp_attention"]:
+        raise UsageError("--hisparse_config: dynamic_residency runs on one device only yet; drop --tp_size/--dp_size/--enable_dp_attention")
 
 
 def _hisparse_values(text: str) -> dict:
@@ -234,14 +287,16 @@ def _hisparse_values(text: str) -> dict:
 
 def resolve_hisparse_config(text: str, model) -> HiSparseConfig:
     """`--hisparse_config` JSON with top_k defaulting to the model's selection width (and
-    device_buffer_size to 2 x top_k, as SGLang); a top_k other than the model's is refused.
+    device_buffer_size to 2 x top_k, as SGLang), host_to_device_ratio to run_decode's 8
+    (HISPARSE_DEFAULTS: a key the JSON leaves out keeps it); a top_k other than the model's is
+    refused. SGLang's flat dynamic_residency_* keys are read too (hisparse_jax.config.normalized).
 
     The selection width is the family's (models.registry): index_topk for DSA models and
     DeepSeek-V4; for MiniMax-M3 it is fixed by the model (index_topk_blocks x index_block_size)
     and a top_k is not applied to it. device_buffer_size is the family's device buffer: DSA, the
     hot rows per request and layer; DeepSeek-V4, the C4 entry buffer per request and CSA layer;
     MiniMax-M3, the working set per request, KV group and sparse layer."""
-    values = _hisparse_values(text)
+    values = {**HISPARSE_DEFAULTS, **_hisparse_values(text)}
     values.setdefault("top_k", registry.family_of_config(model).selection_width(model))
     try:
         hisparse = HiSparseConfig.from_dict(values)
@@ -268,6 +323,18 @@ def checkpoint_config(checkpoint: str, *, decoding: bool = False):
 # ---- checkpoint decoding --------------------------------------------------------------------------
 
 
+def parallel_split(tp_size: int, dp_size: int, enable_dp_attention: bool) -> types.SimpleNamespace:
+    """hisparse_jax.sharding.ParallelConfig's arithmetic without importing JAX (what
+    inputs.check_parallel reads); an inconsistent combination is a UsageError."""
+    if enable_dp_attention and tp_size % dp_size:
+        raise UsageError(f"--tp_size/--dp_size/--enable_dp_attention: with enable_dp_attention, tp_size ({tp_size}) must be a multiple of dp_size ({dp_size})")
+    devices = tp_size if enable_dp_attention else tp_size * dp_size
+    return types.SimpleNamespace(
+        tp_size=tp_size, dp_size=dp_size, enable_dp_attention=enable_dp_attention, num_devices=devices,
+        attention_tp=tp_size // dp_size if enable_dp_attention else tp_size, is_single_device=devices == 1,
+    )  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointDecode:
     """Checkpoint decoding's inputs, checked (check_checkpoint_decode); the weights not yet loaded."""
@@ -281,6 +348,14 @@ class CheckpointDecode:
     config: Any  # the family's config class (models.registry)
     prompts_shape: tuple[int, int]
     kv_cache_dtype: str = "auto"
+    tp_size: int = 1  # a mesh as serving's (hisparse_jax.sharding.ParallelConfig); DSA checkpoints only
+    dp_size: int = 1
+    enable_dp_attention: bool = False
+    implementation: str | None = None  # the kernels (None: the backend's default); DSA checkpoints only
+
+    @property
+    def num_devices(self) -> int:
+        return parallel_split(self.tp_size, self.dp_size, self.enable_dp_attention).num_devices
 
 
 def check_checkpoint_decode(
@@ -293,14 +368,20 @@ def check_checkpoint_decode(
     enable_hisparse: bool,
     hisparse_config: str,
     kv_cache_dtype: str = "auto",
+    tp_size: int = 1,
+    dp_size: int = 1,
+    enable_dp_attention: bool = False,
+    implementation: str | None = None,
 ) -> CheckpointDecode:
     """Everything checkpoint decoding reads, checked against the checkpoint's config.json before
-    any weight is loaded (or JAX started)."""
+    any weight is loaded (or JAX started). A mesh (tp_size, dp_size, enable_dp_attention, as
+    serving's) and implementation are taken by DSA checkpoints (registry: decodes_on_a_mesh)."""
     if checkpoint is None:
         raise UsageError(f"{CHECKPOINT_DECODING} needs --checkpoint=DIR")
     if prompts is None or output is None:
         raise UsageError("checkpoint decoding needs --prompts=FILE.npz and --output=FILE.npz (or drop them to serve a random workload)")
-    checked = (("max_new_tokens", max_new_tokens), ("dtype", dtype), ("kv_cache_dtype", kv_cache_dtype), ("hisparse_config", hisparse_config))
+    checked = (("max_new_tokens", max_new_tokens), ("dtype", dtype), ("kv_cache_dtype", kv_cache_dtype), ("hisparse_config", hisparse_config),
+               ("tp_size", tp_size), ("dp_size", dp_size), ("enable_dp_attention", enable_dp_attention), ("implementation", implementation))  # fmt: skip
     for name, value in checked:
         check_flag(name, value)
     with flag_errors("--output"):
@@ -313,4 +394,16 @@ def check_checkpoint_decode(
     with flag_errors("--max_new_tokens"):
         inputs.check_context(ids.shape[1], max_new_tokens, config)
     hisparse = resolve_hisparse_config(hisparse_config, config) if enable_hisparse else None
-    return CheckpointDecode(checkpoint, prompts, output, max_new_tokens, dtype, hisparse, config, ids.shape, kv_cache_dtype)
+    split = parallel_split(tp_size, dp_size, enable_dp_attention)
+    if not registry.family_of_config(config).decodes_on_a_mesh:
+        name = _FAMILY_NAMES.get(registry.family_of_config(config).name, config.model_type)
+        if not split.is_single_device:
+            raise UsageError(f"--tp_size/--dp_size/--enable_dp_attention: {name} checkpoint decoding runs on one device; drop them")
+        if implementation is not None:
+            raise UsageError(f"--implementation: {name} checkpoint decoding runs its default kernels; drop it")
+    with flag_errors("--tp_size/--dp_size/--enable_dp_attention"):
+        inputs.check_parallel(config, split, num_requests=ids.shape[0], requests=f"prompts (rows of {prompts} input_ids)")
+    return CheckpointDecode(
+        checkpoint, prompts, output, max_new_tokens, dtype, hisparse, config, ids.shape, kv_cache_dtype, tp_size, dp_size,
+        enable_dp_attention, implementation,
+    )  # fmt: skip

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from hisparse_jax.config import HiSparseConfig, HiSparseConfigError
+from hisparse_jax.config import HiSparseConfig, HiSparseConfigError, ResidencyConfig
 
 
 def test_sglang_json_round_trip():
@@ -45,3 +45,34 @@ def test_config_is_frozen():
 def test_swap_in_block_size_sets_copy_rows_per_program(block, rows):
     # SGLang: one warp per row, so a block of `block` threads copies block // 32 rows at once.
     assert HiSparseConfig(swap_in_block_size=block).copy_rows_per_program == rows
+
+
+def test_sglang_flat_residency_keys_read_as_the_nested_object():
+    flat = HiSparseConfig.from_json(
+        '{"top_k": 16, "dynamic_residency": true, "dynamic_residency_mode": "forced_resident",'
+        ' "dynamic_residency_promote_watermark": 0.3, "dynamic_residency_demote_watermark": 0.2}'
+    )
+    nested = HiSparseConfig.from_json(
+        '{"top_k": 16, "dynamic_residency": {"mode": "forced_resident", "promote_watermark": 0.3, "demote_watermark": 0.2}}'
+    )
+    assert flat == nested and flat.dynamic_residency.mode == "forced_resident"
+    assert HiSparseConfig.from_json('{"dynamic_residency": true}').dynamic_residency == ResidencyConfig()
+    assert HiSparseConfig.from_json('{"dynamic_residency": false}').dynamic_residency is None
+    assert HiSparseConfig.from_json(flat.to_json()) == flat
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"dynamic_residency_mode": "adaptive"}', 'needs "dynamic_residency": true'),
+        ('{"dynamic_residency": false, "dynamic_residency_mode": "adaptive"}', "dynamic_residency is false"),
+        ('{"dynamic_residency": true, "dynamic_residency_mode": "admission_once"}', "dynamic_residency.mode must be one of"),
+        ('{"dynamic_residency": true, "dynamic_residency_max_tokens": 8}', r"SGLang's hisparse_config field\(s\) \['dynamic_residency_max_tokens'\]"),
+        ('{"backend": "fa3"}', r"\['backend'\] are not supported here"),
+        ('{"dynamic_residency": true, "dynamic_residency_colour": 1}', r"unknown dynamic_residency field\(s\) \['colour'\]"),
+    ],
+    ids=["flat_without_switch", "flat_switched_off", "sglang_only_mode", "sglang_only_limit", "sglang_only_key", "unknown_flat"],
+)
+def test_sglang_spellings_refused_by_name(text, message):
+    with pytest.raises(HiSparseConfigError, match=message):
+        HiSparseConfig.from_json(text)

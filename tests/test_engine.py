@@ -7,6 +7,7 @@ and evicts; unwritten KV rows are NaN so any stray read would poison the tokens.
 """
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -184,6 +185,20 @@ def test_device_footprint_counts_rows_and_indexer_keys():
     assert on.request_bytes(100) == 3 * 21 * row + 3 * 100 * key  # B + the newest-token slot
     ten = 10 * (3 * 21 * row + 3 * 100 * key)
     assert on.capacity(ten, 100) == 10 and on.capacity(ten - 1, 100) == 9
+    # Host pool bytes per request: every row of every layer with HiSparse, none for the baseline
+    assert on.host_request_bytes(100) == 3 * 100 * row and off.host_request_bytes(100) == 0
+    from configs.deepseek_v4 import DeepseekV4Config
+    from configs.minimax_m3 import MiniMaxM3Config
+    from models.deepseek_v4.runner import footprint as v4_footprint
+    from models.minimax_m3.runner import footprint as m3_footprint
+
+    v4 = DeepseekV4Config.tiny()  # HiSparse offloads the C4 entries: one per csa_rate tokens and CSA layer
+    v4_on = v4_footprint(v4, jnp.float32, HiSparseConfig(top_k=v4.index_topk))
+    assert v4_on.host_request_bytes(100) == len(v4.csa_layers) * -(-100 // v4.csa_rate) * v4_on.row_bytes > 0
+    assert v4_footprint(v4, jnp.float32, None).host_request_bytes(100) == 0
+    m3 = MiniMaxM3Config.tiny()  # the sparse layers' K and V of every token and KV head
+    m3_on = m3_footprint(m3, jnp.float32, HiSparseConfig(top_k=m3.selected_keys))
+    assert m3_on.host_request_bytes(100) == len(m3.sparse_layers) * m3.num_kv_heads * 100 * m3_on.row_bytes > 0
     # A shared-layer prefetch stages top_k rows per shared layer after the longest anchor run
     glm = DSAModelConfig.tiny_glm()  # full, full, shared, full, shared: one shared layer per run
     staged = DeviceFootprint.of(glm, jnp.float32, HiSparseConfig(top_k=glm.index_topk), shared_prefetch="ffi_stream")
@@ -616,3 +631,47 @@ def test_one_dispatch_per_decode_step_and_tokens_read_after_the_next_dispatch(ru
     else:
         order = [e for t in range(5) for e in (("decode", t), ("read", t))]
     assert steps == order
+
+
+_FRESH_PROCESS_COMPILES = """
+import jax, jax.monitoring
+from serving import cli
+from serving.engine import Engine
+timed, compiles = [False], []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kw: compiles.append(event) if timed[0] and event.endswith("backend_compile_duration") else None)
+run, warmup = Engine.run, Engine.warmup
+def timed_run(self, requests, **kwargs):
+    timed[0] = True
+    try:
+        return run(self, requests, **kwargs)
+    finally:
+        timed[0] = False
+def untimed_warmup(self, *args, **kwargs):  # its own engine.run calls are the warm-up's
+    Engine.run = run
+    try:
+        return warmup(self, *args, **kwargs)
+    finally:
+        Engine.run = timed_run
+Engine.run, Engine.warmup = timed_run, untimed_warmup
+args = cli.ServingArgs(implementation="pallas", num_prompts=3, random_input_len=40, random_output_len=4,
+                       max_concurrency=(1, 2), progress=False, output_dir=OUT)
+cli.run_serving(args)
+print("compiles in timed runs:", len(compiles))
+"""
+
+
+def test_timed_serving_runs_compile_nothing_in_a_fresh_process(tmp_path):
+    """run_serving's warm-up compiles everything its timed runs call, also in a fresh process with
+    the Pallas kernels interpreted (the first interpreted kernel used to change JAX's tracing
+    context, so the prefill traced before it compiled again in the first timed run: TTFT 1967 ms)."""
+    import subprocess
+    import sys
+
+    code = f"OUT = {str(tmp_path)!r}\n" + _FRESH_PROCESS_COMPILES
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}  # compile for real
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                          env=dict(env, JAX_PLATFORMS="cpu"), timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiles in timed runs: 0" in done.stdout, done.stdout + done.stderr[-2000:]

@@ -16,6 +16,7 @@ from flax import nnx
 
 from configs.model import DSAModelConfig
 from hisparse_jax.config import HiSparseConfig
+from hisparse_jax.row_layout import KVRowLayout
 from serving.engine import Engine, EngineConfig
 from serving.workload import Request
 from hisparse_jax.sharding import ParallelConfig
@@ -173,13 +174,22 @@ def test_pd_hand_over_of_fp8_keys_equals_a_colocated_prefill(glm, golden):
     kv = runner.prefill_kv(prompt)
     J = len(glm.config.full_indexer_layers)
     assert len(kv.index_key_scales) == J and all(k.dtype == jnp.float8_e4m3fn for k in kv.index_keys)
+    # The rows travel as the decode side stores them: fp8 rows packed on the prefill side (FlashMLA's
+    # 656 B rows at DeepSeek-V3.2's 512 + 64; here the tiny model's width), not their float values.
+    layout = runner.row_layout
+    assert kv.row_layout == layout and layout.kind == FP8 and KVRowLayout(512, 64, FP8).bytes_per_row == 656
+    assert all(r.dtype == jnp.uint32 and r.shape[-1] == layout.width for r in kv.rows)
     handed = runner.admit_prefilled(runner.create_cache(num_requests=1, max_context=40, fill_value=np.nan), 0, 30, kv)
     for a, b in ((colocated.index_keys, handed.index_keys), (colocated.index_key_scales, handed.index_key_scales)):
         np.testing.assert_array_equal(np.asarray(a[:, :, :30], np.float32), np.asarray(b[:, :, :30], np.float32))
+    np.testing.assert_array_equal(np.asarray(handed.kv.kv[:, :, :30]), np.asarray(colocated.kv.kv[:, :, :30]))  # the same bits
     f32 = ModelRunner(glm)
     plain = f32.admit_prefilled(f32.create_cache(num_requests=1, max_context=40), 0, 30, kv)
     expected = dequantize_keys(colocated.index_keys[:, :, :30], colocated.index_key_scales[:, :, :30])
     np.testing.assert_array_equal(np.asarray(plain.index_keys[:, :, :30]), np.asarray(expected))
+    # an f32 decode instance stores the fp8 rows' values (dequantised): what the fp8 cache holds, unpacked
+    latent, rope = layout.unpack(colocated.kv.kv[:, :, :30])
+    np.testing.assert_array_equal(np.asarray(plain.kv.kv[:, :, :30]), np.asarray(jnp.concatenate([latent, rope], -1)))
 
 
 @pytest.mark.slow  # ~80 s on 2 cores; fp8 keys through the engine stay covered by the other cases here

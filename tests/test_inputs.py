@@ -255,7 +255,7 @@ def flag_values(**changes) -> dict:
     "mode, changes, message",
     [
         (validation.CHECKPOINT_DECODING, dict(context_length=64), r"--context_length is not used by checkpoint decoding"),
-        (validation.CHECKPOINT_DECODING, dict(tp_size=2, seed=3), r"--seed, --tp_size are not used by checkpoint decoding"),
+        (validation.CHECKPOINT_DECODING, dict(context_length=64, seed=3), r"--context_length, --seed are not used by checkpoint decoding"),
         (validation.CHECKPOINT_DECODING, dict(context_length=0), r"--context_length must be an integer >= 2, got 0"),
         (validation.CHECKPOINT_DECODING, dict(num_prompts=-1), r"--num_prompts must be a positive integer"),
         (validation.SERVING, dict(max_new_tokens=8), r"--max_new_tokens is not used by serving"),
@@ -351,3 +351,90 @@ def test_validation_refuses_before_jax_starts():
     code = "import sys, serving.validation; print(sorted(m for m in ('jax', 'flax') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+# ---- defaults the user never set, and refusals before JAX starts (issue 25) -----------------------
+
+
+def test_noenable_hisparse_alone_is_accepted_and_sweeps_nothing():
+    # --device_buffer_sweep's default depends on HiSparse: none without it, top_k x (1, 2, 4) with it.
+    from serving import cli
+
+    values = flag_values(enable_hisparse=False, device_buffer_sweep=None)
+    validation.check_flags(validation.SERVING, values, present={"enable_hisparse"})
+    args = ServingArgs(enable_hisparse=False, device_buffer_sweep=None)
+    assert cli.buffer_sweep(args, HiSparseConfig(top_k=16, device_buffer_size=32)) == ()
+    assert cli.buffer_sweep(ServingArgs(device_buffer_sweep=None), HiSparseConfig(top_k=16, device_buffer_size=32)) == (16, 32, 64)
+    assert cli.buffer_sweep(ServingArgs(device_buffer_sweep=(20,)), HiSparseConfig(top_k=16, device_buffer_size=32)) == (20,)
+    changes = dict(enable_hisparse=False, device_buffer_sweep="16,32")  # set by the user: refused
+    with pytest.raises(UsageError, match="--device_buffer_sweep needs --enable_hisparse"):
+        validation.check_flags(validation.SERVING, flag_values(**changes), present=set(changes))
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"top_k": 16}', '{"dynamic_residency": {"mode": "adaptive"}}', '{"dynamic_residency": true, "dynamic_residency_mode": "adaptive"}', ""],
+    ids=["top_k", "nested_residency", "sglang_flat_residency", "empty"],
+)
+def test_hisparse_config_keys_left_out_keep_the_cli_defaults(text):
+    # Any JSON used to fall back to the library's host_to_device_ratio 2 (HiSparse capacity 2 vs
+    # the baseline's 3 in the README's dynamic-residency example); now keys left out keep run_decode's 8.
+    config = validation.resolve_hisparse_config(text, TINY)
+    assert (config.top_k, config.device_buffer_size, config.host_to_device_ratio) == (16, 32, 8)
+    assert validation.resolve_hisparse_config('{"host_to_device_ratio": 3}', TINY).host_to_device_ratio == 3
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(prefill_token_budget=0), r"^--prefill_token_budget must be a positive integer, got 0"),
+        (dict(model="deepseek_v4_tiny", hisparse_config='{"dynamic_residency": {"mode": "adaptive"}}'),
+         r"^--hisparse_config: dynamic_residency is not supported by DeepSeek-V4 serving yet"),
+        (dict(model="minimax_m3_tiny", hisparse_config='{"dynamic_residency": true}'),
+         r"^--hisparse_config: dynamic_residency is not supported by MiniMax-M3 serving yet"),
+        (dict(tp_size=2, hisparse_config='{"dynamic_residency": {"mode": "adaptive"}}'),
+         r"^--hisparse_config: dynamic_residency runs on one device only yet; drop --tp_size"),
+        (dict(hisparse_config='{"dynamic_residency_mode": "adaptive"}'), r'^--hisparse_config: dynamic_residency_mode needs "dynamic_residency": true'),
+    ],
+    ids=["prefill_budget", "v4_residency", "m3_residency", "tp_residency", "flat_without_switch"],
+)
+def test_serving_refusals_before_jax_name_the_flag(changes, message):
+    with pytest.raises(UsageError, match=message):
+        validation.check_flags(validation.SERVING, flag_values(**changes), present=set(changes))
+    values = {k: v for k, v in changes.items()}
+    with pytest.raises(UsageError, match=message.lstrip("^")):  # ServingArgs / _prepare apply the same rules
+        from serving import cli
+
+        cli._prepare(ServingArgs(**values))
+
+
+# ---- weights + KV against the device's memory, before anything is built (serving.fit) -----------
+
+
+def test_full_size_model_is_refused_with_its_sizes(monkeypatch):
+    from serving import fit
+
+    v32 = DSAModelConfig.deepseek_v32()
+    assert 1.3e12 < fit.param_bytes(v32, jnp.bfloat16) < 1.4e12  # 672 B params, from shapes only
+    monkeypatch.setattr(fit, "device_memory", lambda device=None: (24 * 10**9, False))  # a 24 GB accelerator
+    with pytest.raises(UsageError, match=r"^--model=deepseek_v32 needs ~1.3 TB of weights in bfloat16 \+ 2 GB of KV; this device has 24 GB available$"):
+        fit.check_fits("--model=deepseek_v32", v32, jnp.bfloat16, kv_device_bytes=2 * 10**9)
+    eight = ParallelConfig(tp_size=8)  # split over 8 devices: 168 GB each, still too much
+    with pytest.raises(UsageError, match=r"needs ~168 GB of weights in bfloat16 \(1\.3 TB split over 8 devices\) \+ 0 B of KV; each device has 24 GB"):
+        fit.check_fits("--model=deepseek_v32", v32, jnp.bfloat16, kv_device_bytes=0, parallel=eight)
+    fit.check_fits("--model=tiny", TINY, jnp.bfloat16, kv_device_bytes=10**6)  # fits
+    monkeypatch.setattr(fit, "device_memory", lambda device=None: (10**9, True))  # the CPU: the host pool counts too
+    with pytest.raises(UsageError, match=r"\+ 1\.2 GB of KV; this machine has 1 GB available$"):
+        fit.check_fits("--model=tiny", TINY, jnp.bfloat16, kv_device_bytes=2 * 10**8, kv_host_bytes=10**9)
+
+
+def test_serving_checks_the_fit_before_building_the_model(monkeypatch):
+    from serving import cli, fit
+
+    def no_building(*args, **kwargs):
+        raise AssertionError("model built despite not fitting")
+
+    monkeypatch.setattr(cli, "load_model", no_building)
+    monkeypatch.setattr(fit, "device_memory", lambda device=None: (24 * 10**9, False))
+    with pytest.raises(UsageError, match=r"^--model=deepseek_v32 needs ~1.3 TB of weights"):
+        cli._prepare(ServingArgs(model="deepseek_v32", device_buffer_sweep=None))

@@ -174,12 +174,14 @@ def test_run_decode_reproduces_the_fixture(tmp_path):
         golden = dict(data)
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "run_decode.py")
     output = tmp_path / "out.npz"
-    subprocess.run(
+    done = subprocess.run(
         [sys.executable, script, f"--checkpoint={DEEPSEEK}", f"--prompts={os.path.join(DEEPSEEK, 'golden.npz')}",
          "--max_new_tokens=24", f"--output={output}", "--dtype=float32", "--enable_hisparse",
          '--hisparse_config={"top_k": 16, "device_buffer_size": 24}'],
-        check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=os.path.dirname(script),
+        check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=os.path.dirname(script), capture_output=True, text=True,
     )  # fmt: skip
+    for said in ("loading weights from", "prefill: 2 prompt(s) of 96 tokens", "prefill done", "decode step 23/23"):
+        assert said in done.stderr, (said, done.stderr[-3000:])  # progress at INFO
     with np.load(output) as data:
         assert data["tokens"].dtype == np.int32 and data["logits"].dtype == np.float32
         np.testing.assert_array_equal(data["tokens"], golden["greedy_tokens"])

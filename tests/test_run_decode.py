@@ -45,6 +45,11 @@ def test_default_command_serves_and_writes_results_and_plots(tmp_path):
     assert results["capacity"]["hisparse"] > results["capacity"]["baseline"]
     assert points["hisparse", 8]["max_running"] > points["baseline", 8]["max_running"]
     assert results["tokens_identical"] is True
+    # KV bytes per request at context_length: HiSparse holds less on the device, the rest in the host pool
+    kv = results["kv_bytes_per_request"]
+    assert kv["hisparse"]["device"] < kv["baseline"]["device"] and kv["hisparse"]["host"] > 0 == kv["baseline"]["host"]
+    assert all(p["kv_bytes_per_request"] == kv[p["mode"]] for p in results["points"])
+    assert "KV bytes per request at context_length" in done.stdout and "same tokens for every request" in done.stdout
     assert [p["device_buffer_size"] for p in results["buffer_sweep"]] == [16, 32, 64]
     for name in ("throughput_vs_concurrency", "misses_over_time", "misses_vs_buffer_size", "misses_over_time_by_buffer"):
         assert_png(tmp_path / f"{name}.png")
@@ -107,6 +112,20 @@ BAD_INPUT = {
     "unused_in_serving": (serving("--max_new_tokens=8"), "--max_new_tokens is not used by serving"),
     "positional": (serving("extra"), "unexpected arguments ['extra']"),
     "kv_cache_dtype": (serving("--kv_cache_dtype=int4"), "--kv_cache_dtype='int4': use one of ('auto', 'bfloat16', 'fp8_e4m3')"),
+    "prefill_budget": (serving("--prefill_token_budget=0"), "--prefill_token_budget must be a positive integer, got 0"),
+    "v4_residency": (serving("--model=deepseek_v4_tiny", '--hisparse_config={"dynamic_residency": {"mode": "adaptive"}}'),
+                     "--hisparse_config: dynamic_residency is not supported by DeepSeek-V4 serving yet"),
+    "tp_residency": (serving("--tp_size=2", '--hisparse_config={"dynamic_residency": true}'),
+                     "--hisparse_config: dynamic_residency runs on one device only yet"),
+    "full_size": (serving("--model=deepseek_v32"), "--model=deepseek_v32 needs ~1.3 TB of weights in bfloat16 +"),  # no machine here has 1.3 TB
+    "pd_decode_unused": (serving("--disaggregation_mode=decode", "--num_prompts=3", "--compare_baseline"),
+                         "--compare_baseline, --num_prompts are not used by a PD decode instance (--disaggregation_mode=decode)"),
+    "pd_decode_sweep": (serving("--disaggregation_mode=decode", "--device_buffer_sweep=16"), "--device_buffer_sweep is not used by a PD decode instance"),
+    "pd_decode_concurrency": (serving("--disaggregation_mode=decode", "--max_concurrency=1,4"), "a PD decode instance takes one value"),
+    "pd_prefill_output": (serving("--disaggregation_mode=prefill"), "--output_dir is not used by a PD prefill instance"),
+    "pd_timeout": (serving("--disaggregation_mode=decode", "--disaggregation_timeout_s=0"), "--disaggregation_timeout_s must be a positive number, got 0.0"),
+    "pd_timeout_colocated": (serving("--disaggregation_timeout_s=5"), "--disaggregation_timeout_s is not used without --disaggregation_mode"),
+    "sweep_without_hisparse": (serving("--noenable_hisparse", "--device_buffer_sweep=16"), "--device_buffer_sweep needs --enable_hisparse"),
     # checkpoint decoding: prompts
     "vocab": (checkpoint_decoding("vocab.npz"), "input_ids holds token id 512 outside the vocabulary [0, 512)"),
     "negative": (checkpoint_decoding("negative.npz"), "outside the vocabulary [0, 512)"),
@@ -136,7 +155,12 @@ BAD_INPUT = {
     "needs_checkpoint": (["--prompts=p.npz", "--output=o.npz"], "needs --checkpoint=DIR"),
     # checkpoint decoding: flags it does not read, bad values whatever the mode
     "unused_flag": (checkpoint_decoding("ok.npz", "--context_length=64"), "--context_length is not used by checkpoint decoding"),
-    "unused_tp": (checkpoint_decoding("ok.npz", "--tp_size=2"), "--tp_size is not used by checkpoint decoding"),
+    "unused_seed": (checkpoint_decoding("ok.npz", "--seed=2"), "--seed is not used by checkpoint decoding"),
+    "mesh_heads": (checkpoint_decoding("ok.npz", "--tp_size=3"), "--tp_size/--dp_size/--enable_dp_attention: the model's 4 attention heads do not split over 3 devices"),
+    "mesh_prompts": (checkpoint_decoding("ok.npz", "--tp_size=4", "--dp_size=4", "--enable_dp_attention"),
+                     "--tp_size/--dp_size/--enable_dp_attention: 2 prompts (rows of {tmp}/ok.npz input_ids) do not split over 4 data-parallel groups"),
+    "mesh_dp_attention": (checkpoint_decoding("ok.npz", "--tp_size=3", "--dp_size=2", "--enable_dp_attention"), "tp_size (3) must be a multiple of dp_size (2)"),
+    "implementation": (checkpoint_decoding("ok.npz", "--implementation=cuda"), "--implementation='cuda': use one of ('reference', 'pallas', 'tpu')"),
     "bad_unused_value": (checkpoint_decoding("ok.npz", "--context_length=0"), "--context_length must be an integer >= 2, got 0"),
     "kv_cache_dtype_checkpoint": (checkpoint_decoding("ok.npz", "--kv_cache_dtype=int4"), "--kv_cache_dtype='int4': use one of"),
 }
@@ -152,6 +176,71 @@ def test_bad_input_ends_with_one_line_and_status_2(tmp_path, flags, message):
     errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and message.replace("{tmp}", str(tmp_path)) in errors[0], done.stderr[-2000:]
     assert sorted(tmp_path.rglob("*")) == before  # nothing written, not even the output directory
+
+
+def test_noenable_hisparse_alone_serves_the_baseline(tmp_path):
+    # The default --device_buffer_sweep (HiSparse's) used to refuse this: a default the user never set.
+    done = run_decode(f"--output_dir={tmp_path}", "--noenable_hisparse", "--num_prompts=2", "--random_input_len=16",
+                      "--random_output_len=4", "--max_concurrency=2", "--noprogress")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "results.json") as f:
+        results = json.load(f)
+    assert [p["mode"] for p in results["points"]] == ["baseline"] and results["buffer_sweep"] == []
+    # one run, nothing to compare: no "same tokens" claim
+    assert results["tokens_identical"] is None and "same tokens" not in done.stdout
+
+
+RTOL = 1e-4  # of the largest |logit|, as tests/test_parallel_models.py
+
+
+def decode_fixture(tmp_path, *flags, steps=None):
+    """run_decode.py's checkpoint decoding of the deepseek_v32_tiny fixture's prompts (float32;
+    `steps` tokens, default golden.npz's 24) -> its stderr; the tokens and logits checked against
+    the golden ones."""
+    golden_path, output = os.path.join(CHECKPOINT, "golden.npz"), tmp_path / "out.npz"
+    with np.load(golden_path) as data:
+        golden = dict(data)
+    steps = steps or golden["greedy_tokens"].shape[1]
+    done = run_decode(f"--checkpoint={CHECKPOINT}", f"--prompts={golden_path}", f"--output={output}",
+                      f"--max_new_tokens={steps}", "--dtype=float32", *flags)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    with np.load(output) as data:
+        np.testing.assert_array_equal(data["tokens"], golden["greedy_tokens"][:, :steps])
+        error = np.abs(data["logits"] - golden["greedy_logits"][:, :steps]).max() / np.abs(golden["greedy_logits"]).max()
+        assert error < RTOL, f"max error {error:.2e} of the largest |logit|"
+    return done.stderr
+
+
+def misses_logged(stderr: str) -> int:
+    lines = [line for line in stderr.splitlines() if "hisparse:" in line and " misses over " in line]
+    return int(lines[-1].split("hisparse:")[1].split()[0]) if lines else 0
+
+
+# device_buffer_size 20 against top_k 16: the steps evict and swap rows in from the host pool
+FORCED_MISSES = '--hisparse_config={"device_buffer_size": 20}'
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [["--tp_size=4", "--dp_size=2", "--enable_dp_attention"], pytest.param(["--tp_size=2", "--dp_size=2"], marks=pytest.mark.slow)],
+    ids=["dp2_x_tp2_dp_attention", "tp2_replicas"],
+)
+@pytest.mark.parametrize("hisparse", [[FORCED_MISSES], ["--noenable_hisparse"]], ids=["hisparse_misses", "hisparse_off"])
+def test_checkpoint_decoding_on_a_mesh_reproduces_the_fixture(tmp_path, mesh, hisparse):
+    """Checkpoint decoding on 4 virtual CPU devices (run_decode.py sets
+    --xla_force_host_platform_device_count itself): the fixture's golden tokens and logits, as on one device."""
+    stderr = decode_fixture(tmp_path, *mesh, *hisparse)
+    assert "CpuDevice(id=3)" in stderr  # four devices
+    assert (misses_logged(stderr) > 0) == (hisparse == [FORCED_MISSES])
+
+
+def test_checkpoint_decoding_with_the_tpu_kernels_reproduces_the_fixture(tmp_path):
+    """--implementation=tpu: every kernel (plan, copies, attention) the Pallas TPU one, in TPU
+    interpret mode on the CPU, with the host pool in device memory there (memory.host_pool_kind);
+    HiSparse swapping rows in every step. 8 of the 24 golden steps (~1 s a step interpreted; all
+    24 through generate: tests/test_tpu_kernels.py, -m slow)."""
+    stderr = decode_fixture(tmp_path, "--implementation=tpu", FORCED_MISSES, steps=8)
+    assert misses_logged(stderr) > 0
 
 
 def test_unknown_flag_is_one_line_and_status_2(tmp_path):
@@ -171,3 +260,31 @@ def test_without_matplotlib_the_run_says_plots_were_skipped(monkeypatch, tmp_pat
     results = {"points": [{"mode": "hisparse", "max_concurrency": 1, "steps": {"misses": [1]}}], "buffer_sweep": []}
     assert cli._plot(results, str(tmp_path), "", "model selection") == {}
     assert results["notes"] == [cli.PLOTS_NEED] and os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_ends_with_one_line_and_status_130(tmp_path):
+    """SIGINT mid-run: `interrupted`, exit status 130, no traceback, and no file half-written
+    (results.json and the plots are renamed into place whole; no scratch file is left)."""
+    import signal
+    import time
+
+    process = subprocess.Popen(
+        [sys.executable, SCRIPT, f"--output_dir={tmp_path}", "--num_prompts=64", "--noprogress", "--device_buffer_sweep="],
+        cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for line in process.stderr:  # JAX started: the run is under way
+            if "jax " in line and " on [" in line:
+                break
+        time.sleep(4)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == "interrupted" and "Traceback" not in stderr, stderr[-2000:]
+    for path in tmp_path.rglob("*"):
+        assert ".partial" not in path.name and not path.name.endswith(".tmp"), path
+        if path.name == "results.json":
+            json.loads(path.read_text())  # a whole file (the points done before the interrupt)

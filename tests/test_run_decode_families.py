@@ -55,6 +55,9 @@ def test_run_decode_reproduces_the_fixture(tmp_path, fixture, hisparse):
     done = run_decode(f"--checkpoint={checkpoint}", f"--prompts={golden_path}", f"--output={output}",
                       f"--max_new_tokens={steps}", "--dtype=float32", *mode)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    # Progress at INFO while it works: loading, prefill, decode steps (the last one always)
+    for said in ("loading weights from", "loaded ", "prefill: 2 prompt(s)", "prefill done", f"decode step {steps - 1}/{steps - 1}"):
+        assert said in done.stderr, (said, done.stderr[-3000:])
     if hisparse:  # rows did come from the host pool
         misses = [line for line in done.stderr.splitlines() if "hisparse:" in line and "misses" in line]
         assert misses and int(misses[-1].split("hisparse:")[1].split()[0]) > 0, done.stderr[-3000:]
@@ -83,6 +86,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
         ((f"--checkpoint={v4}", f"--prompts={tmp_path / 'ok.npz'}", *decode, "--kv_cache_dtype=fp8_e4m3"),
          "kv_cache_dtype 'fp8_e4m3' is not supported for model_type 'deepseek_v4'"),
         ((f"--checkpoint={m3}", "--num_prompts=2"), "served only by checkpoint decoding"),
+        ((f"--checkpoint={v4}", f"--prompts={tmp_path / 'ok.npz'}", *decode, "--tp_size=2"),
+         "--tp_size/--dp_size/--enable_dp_attention: DeepSeek-V4 checkpoint decoding runs on one device; drop them"),
+        ((f"--checkpoint={m3}", f"--prompts={tmp_path / 'ok.npz'}", *decode, "--implementation=pallas"),
+         "--implementation: MiniMax-M3 checkpoint decoding runs its default kernels; drop it"),
         # serving the tiny models: flags their runners cannot honour
         (("--model=deepseek_v4_tiny", "--kv_cache_dtype=fp8_e4m3"), "kv_cache_dtype 'fp8_e4m3' is not supported"),
         (("--model=minimax_m3_tiny", "--dp_size=2"), "MiniMax-M3 serving runs on one device"),

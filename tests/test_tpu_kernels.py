@@ -9,6 +9,8 @@ the randomised cases fewer than for the other implementations.
 """
 
 import functools
+import math
+import re
 
 import hypothesis
 import jax
@@ -258,6 +260,132 @@ def bits(array):
     return array.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[array.dtype.itemsize])
 
 
+# ---- the plan's tiles: bit-identical, and what it holds in VMEM at production sizes --------------
+
+
+@functools.partial(jax.jit, static_argnames="tiles")
+def plan_in_tiles(buffer_tokens, lru, scratch, topk, lengths, page_table, tiles):
+    """test_swap_in.run_plan through the TPU kernel with `tiles` (rows, cols) of its matrices."""
+    from pallas_kernels.swap_in.pallas_tpu import swap_in_plan_tpu
+
+    plan, tokens, lru, scratch = swap_in_plan_tpu(
+        buffer_tokens[None], lru[None], scratch, jnp.int32(0), topk, lengths, page_table, page_size=test_swap_in.PAGE_SIZE,
+        tiles=tiles,
+    )  # fmt: skip
+    return plan, tokens[0], lru[0], scratch
+
+
+@hypothesis.settings(max_examples=25, deadline=None, derandomize=True)
+@hypothesis.given(case=swap_in_cases())
+def test_plan_in_small_tiles_matches_oracle(case):
+    """The plan in 4 x 4 tiles (B = 12: 3 row tiles, K = 8: 2, and column tiles of B, K and the
+    page table's entries alike): every tiled loop runs several times and every accumulation
+    crosses tiles; the result is the oracle's, bit for bit, as with whole-axis tiles."""
+    bt, lru, topk, lengths = case
+    R, C = len(lengths), C_RAND
+    assert test_swap_in.B_RAND % 4 == 0 and test_swap_in.K_RAND % 4 == 0 and (C // test_swap_in.PAGE_SIZE) % 4 == 0
+    outputs = plan_in_tiles(
+        jnp.asarray(bt, jnp.int32), jnp.asarray(lru, jnp.int32), jnp.full((R, C), swap_in.SCRATCH_EMPTY, jnp.int32),
+        jnp.asarray(topk, jnp.int32), jnp.asarray(lengths, jnp.int32), jnp.asarray(test_swap_in.identity_page_table(R, C)),
+        tiles=(4, 4),
+    )  # fmt: skip
+    plan, tokens, new_lru, _ = jax.tree.map(np.asarray, outputs)
+    assert_matches_oracle(plan, tokens, new_lru, oracle_batch(bt, lru, topk, lengths, C))
+
+
+def _padded_bytes(shape: tuple[int, ...]) -> int:
+    """Bytes of a 32-bit TPU value of `shape` as vregs hold it: the last dim padded to 128 lanes,
+    the one before to 8 sublanes (a 1-D value as one row)."""
+    *lead, a, b = (1,) * (2 - len(shape)) + tuple(shape)
+    return 4 * math.prod(lead) * -(-a // 8) * 8 * -(-b // 128) * 128
+
+
+def vmem_bound(module_text: str) -> dict:
+    """A static upper bound on what a Mosaic kernel holds in VMEM, from its MLIR: its memref
+    operands (pipeline blocks and scratch, each counted twice as if double-buffered) plus, at the
+    worst line of the kernel, every vector value live there (defined, and used on or after it; a
+    value used inside a loop lives to the loop's end), each as big as its padded vreg tiles (a
+    mask counted as 32-bit). The compiler keeps less (many values stay in vregs); this only shows
+    that nothing needs more."""
+    vector = re.compile(r"vector<((?:\d+x)*\d+)x(?:i1|i8|i16|i32|f32|bf16)>")
+    memref = re.compile(r"memref<((?:\d+x)*\d+)xi32, #tpu\.memory_space<vmem>>")
+    size_of = lambda text: _padded_bytes(tuple(int(d) for d in text.split("x")))  # noqa: E731
+    lines = module_text.split("func.func @")[1].splitlines()  # the kernel (its blocks' index maps follow)
+    operands = sum(2 * size_of(m) for m in memref.findall(lines[0]))
+    defined, last_use, sizes, regions = {}, {}, {}, []  # regions: (open line, close line)
+    open_at = [0] * (lines[0].count("{") - lines[0].count("}"))  # the kernel's own body
+    for n, line in enumerate(lines[1:], 1):
+        target, _, rest = line.partition(" = ") if re.match(r"\s*%[\w:#]+(, %[\w:#]+)* = ", line) else ("", "", line)
+        for name in re.findall(r"%[\w]+", rest):
+            last_use.setdefault(name, []).append(n)
+        types = vector.findall(rest.split("->")[-1] if "->" in rest else rest)
+        if target and types:
+            for name in re.findall(r"%[\w]+", target):
+                defined[name], sizes[name] = n, sum(size_of(t) for t in (types if "->" in rest else types[-1:]))
+        for brace in re.findall(r"[{}]", line):
+            if brace == "{":
+                open_at.append(n)
+            else:
+                regions.append((open_at.pop(), n))
+    live_until = {}
+    for name, start in defined.items():
+        end = start
+        for use in last_use.get(name, []):
+            loops = [close for open_, close in regions if start < open_ <= use <= close]  # re-read every iteration
+            end = max(end, use, *loops)
+        live_until[name] = end
+    live = [0] * (len(lines) + 1)
+    for name, start in defined.items():
+        for n in range(start, live_until[name] + 1):
+            live[n] += sizes[name]
+    largest = max(sizes.values())
+    return dict(operands=operands, largest_value=largest, live_at_worst=max(live), total=operands + max(live))
+
+
+def lowered_mosaic(fn, *args) -> str:
+    """The Mosaic MLIR of the pallas_call in fn(*args), compiled for a TPU v5e, lowered on the CPU."""
+    from jax import export
+    from jax._src import mesh as mesh_lib
+    from jax._src.pallas.mosaic import lowering
+
+    modules = []
+    lower = lowering.lower_jaxpr_to_pipelined_module
+
+    def keep(*a, **k):
+        module = lower(*a, **k)
+        modules.append(module.operation.get_asm())
+        return module
+
+    device = mesh_lib.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(common, "tpu_interpret", lambda: False)
+        patch.setattr(lowering, "lower_jaxpr_to_pipelined_module", keep)
+        with jax.sharding.use_abstract_mesh(mesh):
+            export.export(jax.jit(fn), platforms=("tpu",))(*args)
+    assert len(modules) == 1
+    return modules[0]
+
+
+V5E_SCOPED_VMEM = 16 * 2**20  # the default scoped VMEM limit of a v5e TensorCore (v6e: 32 MiB)
+
+
+def test_plan_fits_v5e_vmem_at_production_sizes():
+    """top_k 2048, device_buffer_size 6144, a 128k context in pages of 64: lowered to Mosaic for a
+    v5e, the plan's static VMEM bound (vmem_bound) stays under v5e's 16 MiB scoped VMEM (7.3 MiB
+    on 2026-12-03: 2.6 MiB of operands counted twice, 4.6 MiB of live values); no value is more
+    than one [128, 1024] int32 tile (512 KiB). Untiled, one [B, B] matrix alone was 144 MiB and
+    the bound 740 MiB."""
+    L, R, B, K, C, page = 2, 4, 6144, 2048, 131072, 64
+    i32, spec = jnp.int32, jax.ShapeDtypeStruct
+    fn = functools.partial(swap_in.swap_in_plan, page_size=page, implementation="tpu")
+    args = [spec((L, R, B), i32), spec((L, R, B), i32), spec((R, C), i32), spec((), i32), spec((R, K), i32),
+            spec((R,), i32), spec((R, C // page), i32)]  # fmt: skip
+    bound = vmem_bound(lowered_mosaic(fn, *args))
+    assert bound["largest_value"] <= 128 * 1024 * 4, bound
+    assert bound["total"] < V5E_SCOPED_VMEM, bound
+
+
 # ---- Mosaic lowering (no TPU needed) ----------------------------------------------------------
 
 
@@ -314,11 +442,11 @@ def test_kernels_lower_to_mosaic(monkeypatch):
 
 
 @pytest.mark.slow  # ~50 s: the whole fixture model on the TPU kernels in interpret mode
-def test_fixture_model_greedy_decoding_reproduces_its_tokens(monkeypatch):
+def test_fixture_model_greedy_decoding_reproduces_its_tokens():
     """tests/fixtures/deepseek_v32_tiny decoded with HiSparse and implementation="tpu" (every
     kernel in TPU interpret mode): the golden greedy tokens and logits, as test_models checks
-    for the other implementations. The host pool is allocated in device memory (see
-    device_pool_states)."""
+    for the other implementations. The runner puts the host pool in device memory itself
+    (memory.host_pool_kind: TPU interpret mode cannot lower with a pinned_host operand on the CPU)."""
     import test_models
 
     from hisparse_jax import memory
@@ -327,13 +455,13 @@ def test_fixture_model_greedy_decoding_reproduces_its_tokens(monkeypatch):
     from models.dsa.generate import generate
     from models.dsa.loading import load_hf_checkpoint
 
-    monkeypatch.setattr(memory, "PINNED_HOST", memory.DEVICE)
     path = test_models.DEEPSEEK
     with np.load(f"{path}/golden.npz") as data:
         golden = dict(data)
     model = load_hf_checkpoint(path, dtype=jnp.float32)
     top_k, buffer = test_models.BUFFERS[path]
     runner = ModelRunner(model, prefill_chunk=16, implementation="tpu")
+    assert runner.host_memory_kind == memory.DEVICE and ModelRunner(model).host_memory_kind == memory.PINNED_HOST
     steps = golden["greedy_tokens"].shape[1]
     config = HiSparseConfig(top_k=top_k, device_buffer_size=buffer)
     out = generate(runner, golden["input_ids"], steps, hisparse=config, page_size=16, fill_value=np.nan)

@@ -27,13 +27,18 @@ class Family:
     selection_width: Callable[[Any], int]  # config -> HiSparse top_k (rows one query selects)
     top_k_is_fixed_by_model: bool  # a user top_k is not applied (refused unless equal)
     check_hisparse: Callable[[Any, Any], None]  # (config, HiSparseConfig) -> raises ValueError
-    decode: Callable[..., DecodeOutput]  # (checkpoint, prompts, max_new_tokens, *, dtype, hisparse, kv_cache_dtype)
+    # (checkpoint, prompts, max_new_tokens, *, dtype, hisparse, kv_cache_dtype[, parallel, implementation])
+    decode: Callable[..., DecodeOutput]
     kv_cache_dtypes_other_than_auto: bool  # takes --kv_cache_dtype values other than auto
     abstract_model: Callable[[Any, Any], Any]  # (config, dtype) -> the model with ShapeDtypeStruct leaves
     # Serving through the engine, for families other than DSA (None: DSA, whose runner the CLI builds):
     random_model: Callable[[Any, Any, int], Any] | None = None  # (config, dtype, seed) -> model with random weights
     make_runner: Callable[..., Any] | None = None  # (model, *, implementation) -> the engine's runner
     footprint: Callable[[Any, Any, Any], Any] | None = None  # (config, dtype, HiSparseConfig or None) -> RequestFootprint
+    # Checkpoint decoding takes decode's `parallel` (a hisparse_jax.sharding.ParallelConfig: a mesh
+    # of tensor / data-parallel devices) and `implementation` (the kernels); False: one device, the
+    # default kernels.
+    decodes_on_a_mesh: bool = False
 
     @property
     def config_class(self) -> type:

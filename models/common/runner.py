@@ -93,9 +93,15 @@ class RequestFootprint:
     fixed_bytes: int  # held whatever the length: windows, raw buffers, HiSparse buffers (L x (B + 1) rows)
     # (bytes, every): `bytes` per started `every` tokens of context, e.g. one CSA indexer key per 4 tokens
     per_tokens: tuple[tuple[int, int], ...]
+    # (bytes, every) as per_tokens, of the host pool: the offloaded rows (HiSparse); () for the baseline
+    host_per_tokens: tuple[tuple[int, int], ...] = ()
 
     def request_bytes(self, num_tokens: int) -> int:
         return self.fixed_bytes + sum(size * math.ceil(num_tokens / every) for size, every in self.per_tokens)
+
+    def host_request_bytes(self, num_tokens: int) -> int:
+        """Host pool bytes of one request's offloaded rows."""
+        return sum(size * math.ceil(num_tokens / every) for size, every in self.host_per_tokens)
 
     def capacity(self, budget_bytes: int, num_tokens: int) -> int:
         """Requests of `num_tokens` tokens that fit in `budget_bytes`."""

@@ -38,6 +38,7 @@ from configs.deepseek_v4 import CSA
 from hisparse_jax.host_pages import HostPageAllocator
 from hisparse_jax.row_layout import KVRowLayout
 from hisparse_jax.state import HiSparseState, jit_donating_state
+from models.common.progress import DecodeProgress
 from models.deepseek_v4.model import (
     Compressor,
     DeepseekV4ForCausalLM,
@@ -322,7 +323,10 @@ def generate(
     B, T = prompts.shape
     graphdef, state = nnx.split(model)
     step = jax.jit(lambda s, c, tok, p: decode_step(nnx.merge(graphdef, s), c, tok, p), donate_argnums=1)
+    progress = DecodeProgress(steps - 1, model.config.model_type)
+    progress.prefill(B, T)
     cache, prompt_logits = _prefill(graphdef, state, model, prompts, T + steps, prefill_by_steps, step)
+    progress.prefilled()
     logits = jnp.asarray(prompt_logits[:, -1])
     out_tokens, out_logits = [], []
     for j in range(steps):
@@ -331,6 +335,7 @@ def generate(
         out_logits.append(np.asarray(logits))
         if j + 1 < steps:
             cache, logits = step(state, cache, nxt, jnp.int32(T + j))
+            progress.step(j + 1, wait_for=logits)
     return np.stack(out_tokens, 1), np.stack(out_logits, 1), prompt_logits
 
 
@@ -383,6 +388,8 @@ def generate_hisparse(model: DeepseekV4ForCausalLM, prompts: jax.Array, steps: i
     B, T = prompts.shape
     graphdef, state = nnx.split(model)
     step = jax.jit(lambda s, c, tok, p: decode_step(nnx.merge(graphdef, s), c, tok, p), donate_argnums=1)
+    progress = DecodeProgress(steps - 1, model.config.model_type)
+    progress.prefill(B, T)
     cache, prompt_logits = _prefill(graphdef, state, model, prompts, T + steps, prefill_by_steps, step)
     logits = jnp.asarray(prompt_logits[:, -1])
 
@@ -403,6 +410,7 @@ def generate_hisparse(model: DeepseekV4ForCausalLM, prompts: jax.Array, steps: i
             c4 = c4.write_newest(j, c4.layout.to_stored(entries[layer][:, n - 1]), last)
         entries[layer] = jnp.full_like(entries[layer], jnp.nan)
     cache = dataclasses.replace(cache, entries=tuple(entries))
+    progress.prefilled(wait_for=c4)
 
     def hisparse_step(c4, s, c, tok, p):
         c, c4, logits, (_, misses) = _step(nnx.merge(graphdef, s), c, c4, tok, p, implementation)
@@ -417,4 +425,5 @@ def generate_hisparse(model: DeepseekV4ForCausalLM, prompts: jax.Array, steps: i
         if j + 1 < steps:
             c4, cache, logits, misses = hstep(c4, state, cache, nxt, jnp.int32(T + j))
             out_misses.append(np.asarray(misses))
+            progress.step(j + 1)
     return np.stack(out_tokens, 1), np.stack(out_logits, 1), np.stack(out_misses)

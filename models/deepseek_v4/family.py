@@ -24,9 +24,10 @@ def _decode(checkpoint, prompts, max_new_tokens, *, dtype, hisparse, kv_cache_dt
     import jax.numpy as jnp
 
     from models.deepseek_v4.decoding import generate, generate_hisparse
+    from models.common.progress import load_logged
     from models.deepseek_v4.loading import load_deepseek_v4
 
-    model = load_deepseek_v4(checkpoint, dtype=dtype)
+    model = load_logged(checkpoint, lambda: load_deepseek_v4(checkpoint, dtype=dtype))
     ids = jnp.asarray(prompts, jnp.int32)
     if hisparse is None:
         tokens, logits, _ = generate(model, ids, max_new_tokens)

@@ -68,9 +68,11 @@ def footprint(config, dtype, hisparse) -> RequestFootprint:
     per_tokens = [(J * I * e, config.csa_rate), (hca * A * e, config.hca_rate)]
     if hisparse is None:
         per_tokens.append((J * row, config.csa_rate))
+        host = ()
     else:
         fixed += J * (hisparse.device_buffer_size + 1) * row
-    return RequestFootprint(row_bytes=row, fixed_bytes=fixed, per_tokens=tuple(per_tokens))
+        host = ((J * row, config.csa_rate),)  # every C4 entry of every CSA layer, in the host pool
+    return RequestFootprint(row_bytes=row, fixed_bytes=fixed, per_tokens=tuple(per_tokens), host_per_tokens=host)
 
 
 def prompt_caches(model, tokens, prompt_len, max_len: int):

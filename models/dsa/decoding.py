@@ -73,6 +73,7 @@ def create_cache(
     fill_value: float = 0.0,
     mesh: Mesh | None = None,
     kv_cache_dtype: str = "auto",
+    host_memory_kind: str | None = None,
 ) -> DecodeCache:
     """An empty cache for `num_requests` slots of up to `max_context` tokens; KV rows in `dtype`.
 
@@ -81,7 +82,8 @@ def create_cache(
     stored (fp8 keys: I fp8_e4m3 values + one f32 scale per key, index_key_scales).
     hisparse None keeps every row on the device (FullKVState). fill_value initialises unwritten
     rows (tests pass NaN so any stray read shows). With a mesh every request-indexed array is
-    split over its "dp" axis (hisparse_jax.sharding).
+    split over its "dp" axis (hisparse_jax.sharding). host_memory_kind: where the HiSparse host
+    pool lives (None: pinned_host; memory.host_pool_kind for the kernels that will run).
     """
     layout = KVRowLayout.for_kv_cache_dtype(config.kv_lora_rank, config.qk_rope_head_dim, dtype, kv_cache_dtype)
     if hisparse is None:
@@ -99,6 +101,7 @@ def create_cache(
         kv = state_class.create(
             num_layers=config.num_layers, num_requests=num_requests, max_context=max_context, config=hisparse,
             layout=layout, num_host_pages=num_host_pages, page_size=page_size, fill_value=fill_value, mesh=mesh,
+            host_memory_kind=host_memory_kind,
         )  # fmt: skip
     placement = None if mesh is None else NamedSharding(mesh, P(None, dp_sharding.REQUEST_AXIS))
     J, key_dtype = len(config.full_indexer_layers), index_key_dtype(kv_cache_dtype, dtype)

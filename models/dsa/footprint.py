@@ -34,6 +34,11 @@ class DeviceFootprint:
         # + the newest-token slot per layer, + the prefetched rows waiting for their shared layers
         return (self.num_layers * (self.buffer_size + 1) + self.staged_rows) * self.row_bytes + keys
 
+    def host_request_bytes(self, num_tokens: int) -> int:
+        """Host pool bytes one request's KV rows take (HiSparse: every row of every layer is kept
+        in the pinned host pool); 0 for the baseline."""
+        return 0 if self.buffer_size is None else self.num_layers * num_tokens * self.row_bytes
+
     def capacity(self, budget_bytes: int, num_tokens: int) -> int:
         """Requests of `num_tokens` tokens that fit in `budget_bytes`."""
         return budget_bytes // self.request_bytes(num_tokens)

@@ -14,6 +14,7 @@ from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.host_pages import HostPageAllocator
 from models.common import inputs
 from models.common.inputs import check_hisparse_with
+from models.common.progress import DecodeProgress
 from models.dsa.checks import check_hisparse as check_dsa_hisparse
 from models.dsa.model import DSAForCausalLM
 from models.dsa.runner import ModelRunner
@@ -63,6 +64,8 @@ def generate(
         page_size=page_size, fill_value=fill_value, kv_cache_dtype=kv_cache_dtype,
     )  # fmt: skip
 
+    progress = DecodeProgress(max_new_tokens - 1, config.model_type)
+    progress.prefill(B, T)
     first = []
     for b in range(B):
         pages = None
@@ -73,11 +76,13 @@ def generate(
         first.append(logits)
     logits = jnp.stack(first)  # f32[B, V]
     tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    progress.prefilled(wait_for=tokens)
     out_tokens, out_logits, hits, misses = [tokens], [logits], [], []
     positions = jnp.full((B,), T, jnp.int32)
-    for _ in range(max_new_tokens - 1):
+    for step in range(1, max_new_tokens):
         cache, logits, telemetry = runner.decode_step(cache, tokens, positions)
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        progress.step(step, wait_for=tokens)
         positions = positions + 1
         out_tokens.append(tokens)
         out_logits.append(logits)

@@ -27,6 +27,7 @@ from hisparse_jax import sharding as dp_sharding
 from hisparse_jax.attention_layer import shared_prefetch_mode
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.kv_cache_ops import begin_request, store_prefill_rows
+from hisparse_jax.row_layout import KVRowLayout
 from hisparse_jax.state import state_shardings
 from models.common.layers import matmul_implementation
 from models.common.parallel import shard_params
@@ -58,10 +59,13 @@ from models.dsa.model import DecoderLayer, DSAForCausalLM
 class PrefilledKV(NamedTuple):
     """One prompt's KV as a prefill instance hands it to a decode instance (PD disaggregation)."""
 
-    rows: tuple  # row[Tp, W] per layer: KV rows of the (padded) prompt positions
+    rows: tuple  # row[Tp, W] per layer: KV rows of the (padded) prompt positions, stored as row_layout says
     index_keys: tuple  # [Tp, I] per full-indexer layer, in the prefill runner's key dtype
     logits: jax.Array  # f32[V]: logits of the last prompt token (they pick the first new token)
     index_key_scales: tuple = ()  # f32[Tp] per full-indexer layer with fp8 keys; () otherwise
+    # How `rows` are stored: the prefill runner's kv_cache_dtype layout (fp8_e4m3: FlashMLA's 656 B
+    # rows, quantised on the prefill side); None: their values [Tp, latent + rope]
+    row_layout: KVRowLayout | None = None
 
 
 def _prefill_layer(graphdef, params, h, anchor_topk, *, chunk, key_dtype, matmul=None):
@@ -122,11 +126,15 @@ class ModelRunner:
         self.dtype = model.dtype
         self.kv_cache_dtype = kv_cache_dtype
         self._key_dtype = index_key_dtype(kv_cache_dtype, model.dtype)  # refuses an unknown name now
+        # How this runner's caches store a KV row (prefill_kv ships rows in it too)
+        self.row_layout = KVRowLayout.for_kv_cache_dtype(self.config.kv_lora_rank, self.config.qk_rope_head_dim, model.dtype, kv_cache_dtype)
+        self._to_stored = jax.jit(self.row_layout.to_stored)
         self.prefill_chunk = prefill_chunk
         self.implementation = implementation
         self.parallel = parallel
         self.mesh = None if parallel is None or parallel.is_single_device else parallel.make_mesh()
         self.shared_prefetch = resolved_shared_prefetch(parallel, implementation, shared_prefetch)
+        self.host_memory_kind = memory.host_pool_kind(implementation)  # pinned_host but for TPU interpret mode
         self.graphdef, self.params = nnx.split(model)
         if self.mesh is not None:
             self.params = shard_params(self.params, self.mesh, parallel)
@@ -211,6 +219,7 @@ class ModelRunner:
     def create_cache(self, *, num_requests: int, max_context: int, hisparse: HiSparseConfig | None = None, **kwargs) -> DecodeCache:
         """create_cache for this model, in the runner's kv_cache_dtype unless kwargs name another."""
         kwargs.setdefault("kv_cache_dtype", self.kv_cache_dtype)
+        kwargs.setdefault("host_memory_kind", self.host_memory_kind)
         return create_cache(
             self.config, num_requests=num_requests, max_context=max_context, dtype=self.dtype, hisparse=hisparse,
             mesh=self.mesh, **kwargs,
@@ -255,30 +264,40 @@ class ModelRunner:
     def prefill_kv(self, tokens) -> "PrefilledKV":
         """A prefill instance's work (PD disaggregation): the prompt's KV rows and indexer keys of
         every layer and its last logits, with no decode cache. Rows are [Tp, W] per layer, Tp the
-        padded prompt length (rows past the prompt are padding); keys in the runner's
-        kv_cache_dtype (fp8: with their scales)."""
+        padded prompt length (rows past the prompt are padding), stored in the runner's
+        kv_cache_dtype layout (fp8_e4m3: the 656 B rows, quantised here, so the hand-over moves
+        what the decode side stores); keys in that kv_cache_dtype too (fp8: with their scales)."""
         tokens = np.asarray(tokens, np.int32)
         rows, keys, scales = [], [], []
         for _, out in self._prefill_layers(tokens, self._key_dtype):  # keeps rows and keys, not each layer's activations
-            rows.append(out.rows)
+            rows.append(self._to_stored(out.rows))
             if out.index_keys is not None:
                 keys.append(out.index_keys)
                 if out.index_key_scales is not None:
                     scales.append(out.index_key_scales)
-        return PrefilledKV(tuple(rows), tuple(keys), self._last_logits(out, tokens.shape[0]), tuple(scales))
+        return PrefilledKV(tuple(rows), tuple(keys), self._last_logits(out, tokens.shape[0]), tuple(scales), self.row_layout)
 
     def admit_prefilled(self, cache: DecodeCache, request: int, prompt_len: int, kv: "PrefilledKV", *, host_pages=None) -> DecodeCache:
         """A decode instance admits a request whose KV a prefill instance computed: its rows go
         straight to the host pool (HiSparse) or the device KV, its indexer keys to the device
-        (converted when the prefill instance's key format is not this cache's)."""
+        (converted when the prefill instance's key or row format is not this cache's)."""
         state, cache_keys, fns = self._begin(cache, request, prompt_len, host_pages)
         T = jnp.int32(prompt_len)
         for l, rows in enumerate(kv.rows):
+            if kv.row_layout is not None and kv.row_layout != state.layout:  # e.g. fp8 rows, a bf16 cache
+                rows = self._row_values(kv.row_layout, rows)
             state = fns["store"](state, jnp.int32(l), jnp.int32(request), jnp.int32(0), rows, T)
         for j, keys in enumerate(kv.index_keys):
             scales = kv.index_key_scales[j] if kv.index_key_scales else None
             cache_keys = fns["store_keys"](cache_keys, jnp.int32(j), jnp.int32(request), keys, scales, T)
         return DecodeCache(state, *cache_keys)
+
+    @staticmethod
+    def _row_values(layout: KVRowLayout, rows: jax.Array) -> jax.Array:
+        """Rows stored in another runner's `layout` -> their values f32[Tp, latent + rope] on the
+        device (the store packs them in this cache's layout)."""
+        latent, rope = layout.unpack(jax.device_put(rows, memory.sharding(memory.DEVICE)))
+        return jnp.concatenate([latent, rope], axis=-1)
 
     def _begin(self, cache: DecodeCache, request: int, prompt_len: int, host_pages):
         """begin_request for a prompt of `prompt_len` tokens -> (kv state, (index_keys,

@@ -40,8 +40,9 @@ def _decode(checkpoint, prompts, max_new_tokens, *, dtype, hisparse, kv_cache_dt
     from models.minimax_m3.hisparse import generate_hisparse
     from models.minimax_m3.loading import load_hf_checkpoint
     from models.minimax_m3.model import generate
+    from models.common.progress import load_logged
 
-    model = load_hf_checkpoint(checkpoint, dtype=dtype)
+    model = load_logged(checkpoint, lambda: load_hf_checkpoint(checkpoint, dtype=dtype))
     ids = jnp.asarray(prompts, jnp.int32)
     if hisparse is None:
         tokens, logits = generate(model, ids, max_new_tokens)

@@ -29,6 +29,7 @@ from hisparse_jax.config import HiSparseConfig, HiSparseConfigError
 from hisparse_jax.row_layout import KVRowLayout
 from hisparse_jax.state import FullKVState, HiSparseState
 from models.common.layers import HIGHEST
+from models.common.progress import DecodeProgress
 from models.minimax_m3.model import forward_with_cache_rows, rope_cos_sin, select_blocks
 
 
@@ -240,7 +241,10 @@ def generate_hisparse(model, prompts: jax.Array, num_tokens: int, hisparse: HiSp
     B, P = prompts.shape
     J, N = len(model.config.sparse_layers), model.config.num_kv_heads
     cache = create_hisparse_cache(model, B, P + num_tokens, hisparse, page_size=page_size)
+    progress = DecodeProgress(num_tokens - 1, model.config.model_type)
+    progress.prefill(B, P)
     cache, last = jax.jit(hisparse_prefill)(model, cache, jnp.asarray(prompts, jnp.int32))
+    progress.prefilled(wait_for=last)
     step = jax.jit(hisparse_decode_step, donate_argnums=1)
     token = jnp.argmax(last, -1).astype(jnp.int32)
     tokens, logits, misses = [np.asarray(token)], [np.asarray(last)], []
@@ -251,5 +255,6 @@ def generate_hisparse(model, prompts: jax.Array, num_tokens: int, hisparse: HiSp
         logits.append(np.asarray(last))
         # [J N, B] -> [J, B N]: the (request, group) order this function has always reported
         misses.append(np.asarray(step_misses).reshape(J, N, B).transpose(0, 2, 1).reshape(J, B * N))
+        progress.step(j)
     misses = np.stack(misses) if misses else np.zeros((0, J, B * N), np.int32)
     return np.stack(tokens, 1), np.stack(logits, 1).astype(np.float32), misses

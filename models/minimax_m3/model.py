@@ -33,6 +33,7 @@ from flax import nnx
 
 from configs.minimax_m3 import MiniMaxM3Config
 from models.common.layers import HIGHEST, Linear, einsum, fan_in_normal
+from models.common.progress import DecodeProgress
 from models.common.rope import apply_half_split
 
 
@@ -476,7 +477,10 @@ def generate(model: MiniMaxM3ForCausalLM, prompts: jax.Array, num_tokens: int) -
     B, P = prompts.shape
     graphdef, state = nnx.split(model)
     cache = create_cache(model, B, P + num_tokens)
+    progress = DecodeProgress(num_tokens - 1, model.config.model_type)
+    progress.prefill(B, P)
     cache, last = jax.jit(lambda s, c, t: prefill(nnx.merge(graphdef, s), c, t))(state, cache, prompts)
+    progress.prefilled(wait_for=last)
     step = jax.jit(lambda s, c, t, p: decode_step(nnx.merge(graphdef, s), c, t, p), donate_argnums=1)
     tokens, logits = [], [last]
     token = jnp.argmax(last, -1).astype(jnp.int32)
@@ -486,4 +490,5 @@ def generate(model: MiniMaxM3ForCausalLM, prompts: jax.Array, num_tokens: int) -
             cache, last = step(state, cache, token, jnp.full((B,), P + j, jnp.int32))
             logits.append(last)
             token = jnp.argmax(last, -1).astype(jnp.int32)
+            progress.step(j + 1, wait_for=token)
     return jnp.stack(tokens, axis=1), jnp.stack(logits, axis=1)

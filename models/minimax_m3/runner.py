@@ -36,7 +36,10 @@ def footprint(config, dtype, hisparse) -> RequestFootprint:
     per_token = Lf * N * row + J * config.index_head_dim * e
     if hisparse is None:
         return RequestFootprint(row_bytes=row, fixed_bytes=0, per_tokens=((per_token + J * N * row, 1),))
-    return RequestFootprint(row_bytes=row, fixed_bytes=J * N * (hisparse.device_buffer_size + 1) * row, per_tokens=((per_token, 1),))
+    return RequestFootprint(
+        row_bytes=row, fixed_bytes=J * N * (hisparse.device_buffer_size + 1) * row, per_tokens=((per_token, 1),),
+        host_per_tokens=((J * N * row, 1),),  # the sparse layers' K and V of every token, in the host pool
+    )  # fmt: skip
 
 
 def prompt_caches(model, tokens, prompt_len, max_context: int):
