@@ -179,3 +179,37 @@ def test_a_model_without_mtp_cannot_speculate():
     model = load_hf_checkpoint(os.path.join(FIXTURES, "deepseek_v32_tiny"), dtype=jnp.float32)
     with pytest.raises(ValueError, match=r"needs the model's MTP layer"):
         ModelRunner(model, speculative=SPEC)
+
+
+@pytest.mark.parametrize("hisparse", [True, False], ids=["hisparse", "baseline"])
+def test_engine_speculates_to_the_reference_tokens_and_gives_everything_back(hisparse):
+    """Three requests through two slots (one retires early at its EOS, one at a short
+    max_new_tokens; compaction moves the third down; batch buckets): each gets the reference's
+    greedy tokens, the summary its acceptance length, and every slot, page and byte comes back."""
+    from serving.engine import Engine, EngineConfig
+    from serving.errors import UsageError
+    from serving.workload import Request
+
+    model, golden, (top_k, buffer) = load(DEEPSEEK)
+    prompts, greedy = golden["input_ids"], golden["greedy_tokens"]
+    eos = int(greedy[1, 9])
+    stop = 1 + int(np.flatnonzero(greedy[1] == eos)[0])  # the reference's tokens up to its first EOS
+    requests = [Request(0, prompts[1], 24, eos_token_id=eos), Request(1, prompts[0], 24), Request(2, prompts[1], 5)]
+    expected = {0: greedy[1, :stop], 1: greedy[0], 2: greedy[1, :5]}
+    config = EngineConfig(
+        max_running_requests=2, context_length=prompts.shape[1] + 24 + SPEC.num_steps - 1, page_size=16, fill_value=np.nan,
+        hisparse=HiSparseConfig(top_k=top_k, device_buffer_size=buffer, host_to_device_ratio=8) if hisparse else None,
+    )  # fmt: skip
+    engine = Engine(ModelRunner(model, prefill_chunk=16, speculative=SPEC), config)
+    result = engine.run(requests)
+    for request_id, tokens in expected.items():
+        np.testing.assert_array_equal(result.tokens[request_id], tokens, err_msg=f"request {request_id}")
+    assert engine.scheduler.all_free()
+    summary = result.summary
+    assert 1 <= summary["acceptance_length"] <= SPEC.tokens_per_step
+    assert summary["output_tokens"] == sum(len(t) for t in expected.values())
+    assert all(step.accepted is not None and step.emitted >= step.running for step in result.steps)
+    assert (summary["misses"] > 0) == hisparse
+    # A last step may write num_steps - 1 positions past prompt + max_new_tokens: admission counts them.
+    with pytest.raises(UsageError, match=r"needs 123 tokens \(96 prompt \+ 25 new \+ 2 speculative\) > context_length 122"):
+        engine.run([Request(3, prompts[0], 25)])

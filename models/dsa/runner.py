@@ -93,8 +93,24 @@ def _prefill_draft_layer(graphdef, params, h_last, tokens, first_token, prompt_l
     return prefill_draft(nnx.merge(graphdef, params), h_last, tokens, first_token, prompt_len, chunk=chunk, key_dtype=key_dtype)
 
 
+class SpeculativeResult(NamedTuple):
+    """What the engine reads back from a speculative step: a few bytes per slot."""
+
+    tokens: jax.Array  # i32[b, Q]: the target's greedy tokens; the first num_accepted + 1 are the step's output
+    num_accepted: jax.Array  # i32[b]: drafts accepted per slot
+    hits: jax.Array  # i32[]: summed over layers (the MTP layer's too) and slots
+    misses: jax.Array  # i32[]
+
+
 def _speculative_step(step, treedef, params, cache, carry, committed, draft_override):
-    return step(unflat_params(treedef, params), cache, carry, committed, draft_override)
+    """The jitted speculative step over slots 0 .. b - 1 (b = committed's length) with the carry
+    of all R slots (DraftState of R rows: the step reads and rewrites its first b, so one carry
+    serves every batch bucket) -> (cache, SpeculativeStepOutput (carry: all R), SpeculativeResult)."""
+    b = committed.shape[0]
+    cache, out = step(unflat_params(treedef, params), cache, jax.tree.map(lambda x: x[:b], carry), committed, draft_override)
+    carry = jax.tree.map(lambda whole, new: whole.at[:b].set(new), carry, out.carry)
+    result = SpeculativeResult(out.tokens, out.num_accepted, jnp.sum(out.num_hits, dtype=jnp.int32), jnp.sum(out.num_misses, dtype=jnp.int32))
+    return cache, out._replace(carry=carry), result
 
 
 def resolved_shared_prefetch(parallel, implementation: str | None, shared_prefetch: str | None = None) -> str:
@@ -206,8 +222,9 @@ class ModelRunner:
                 )
                 device = memory.sharding(memory.DEVICE)
                 self._cache_fns[kind]["speculative"] = jax.jit(
-                    functools.partial(_speculative_step, step, self._param_treedef), donate_argnums=1, out_shardings=(cache_shardings(cache), device)
-                )
+                    functools.partial(_speculative_step, step, self._param_treedef), donate_argnums=1,
+                    out_shardings=(cache_shardings(cache), device, device),
+                )  # fmt: skip
         return self._cache_fns[kind]
 
     def _result_shardings(self) -> StepResult:
@@ -327,8 +344,24 @@ class ModelRunner:
 
     def speculative_step(self, cache: DecodeCache, carry: DraftState, committed, draft_override=None) -> tuple[DecodeCache, SpeculativeStepOutput]:
         """models.dsa.speculative.speculative_step jitted with the cache donated: carry (DraftState
-        of slots 0 .. b - 1), committed i32[b] (seq_lens, -1 inactive), draft_override None or
-        i32[b, C] -> (cache, SpeculativeStepOutput). One compile per b."""
+        of R slots, or of b), committed i32[b] (seq_lens of slots 0 .. b - 1, -1 inactive),
+        draft_override None or i32[b, C] -> (cache, SpeculativeStepOutput, its carry shaped as
+        given). One compile per b."""
+        cache, out, _ = self._speculative(cache, carry, committed, draft_override)
+        return cache, out
+
+    def speculative_greedy_step(self, cache: DecodeCache, carry: DraftState, committed) -> tuple[DecodeCache, SpeculativeResult, DraftState]:
+        """speculative_step as the engine runs it -> (cache, SpeculativeResult: what the host reads,
+        the carry of all R slots, on the device)."""
+        cache, out, result = self._speculative(cache, carry, committed, None)
+        return cache, result, out.carry
+
+    def empty_draft_state(self, num_slots: int) -> DraftState:
+        """A DraftState of `num_slots` free slots (zeros), where each request's prefill puts its own."""
+        D = self.config.hidden_size
+        return DraftState(jnp.zeros(num_slots, jnp.int32), jnp.zeros(num_slots, jnp.int32), jnp.zeros((num_slots, D), self.dtype))
+
+    def _speculative(self, cache, carry, committed, draft_override):
         if self.speculative is None:
             raise ValueError("this runner was built without speculative=SpeculativeConfig(...)")
         override = None if draft_override is None else jnp.asarray(draft_override, jnp.int32)
