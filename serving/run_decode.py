@@ -28,7 +28,7 @@ import sys
 
 from absl import app, flags
 
-from serving import validation
+from serving import speculation, validation
 from serving.errors import UsageError
 
 _MODEL = flags.DEFINE_string(
@@ -101,6 +101,13 @@ _DISAGGREGATION_MODE = flags.DEFINE_enum(
     " decode admits requests as their KV arrives. Start the decode instance first. null: colocated.",
 )  # fmt: skip
 _DISAGGREGATION_ADDRESS = flags.DEFINE_string("disaggregation_address", "127.0.0.1:5757", "The decode instance's host:port.")
+# Speculative decoding with the model's MTP layer (SGLang's flags; serving.speculation).
+_SPECULATIVE_ALGORITHM = flags.DEFINE_string("speculative_algorithm", None, "EAGLE: draft with the model's MTP layer, verify in one step.")
+_SPECULATIVE_NUM_STEPS = flags.DEFINE_integer("speculative_num_steps", None, "Draft steps per verification (default 3).")
+_SPECULATIVE_EAGLE_TOPK = flags.DEFINE_integer("speculative_eagle_topk", None, "Draft branches per step: 1 only (a chain).")
+_SPECULATIVE_NUM_DRAFT_TOKENS = flags.DEFINE_integer(
+    "speculative_num_draft_tokens", None, "Tokens verified per step: speculative_num_steps + 1 (the default)."
+)
 
 
 def _use_host_devices(count: int) -> None:
@@ -140,13 +147,15 @@ def main(argv):
         checkpoint_decoding = _PROMPTS.value is not None or _OUTPUT.value is not None
         mode = validation.CHECKPOINT_DECODING if checkpoint_decoding else validation.SERVING
         validation.check_flags(mode, values, present)
+        speculative = speculation.speculative_config(values)
         if checkpoint_decoding:
             job = validation.check_checkpoint_decode(
                 _CHECKPOINT.value, _PROMPTS.value, _OUTPUT.value, max_new_tokens=_MAX_NEW_TOKENS.value,
                 dtype=_DTYPE.value, enable_hisparse=_ENABLE_HISPARSE.value, hisparse_config=_HISPARSE_CONFIG.value,
-                kv_cache_dtype=_KV_CACHE_DTYPE.value,
+                kv_cache_dtype=_KV_CACHE_DTYPE.value, speculative=speculative,
             )  # fmt: skip
         else:
+            speculation.check_serving(speculative, values)
             if _CHECKPOINT.value is not None:  # its config.json: a model serving runs (DSA), before JAX starts
                 validation.checkpoint_config(_CHECKPOINT.value)
             devices = _TP_SIZE.value if _ENABLE_DP_ATTENTION.value else _TP_SIZE.value * _DP_SIZE.value
@@ -178,7 +187,9 @@ def main(argv):
             disable_overlap_schedule=_DISABLE_OVERLAP_SCHEDULE.value,
             tp_size=_TP_SIZE.value, dp_size=_DP_SIZE.value,
             enable_dp_attention=_ENABLE_DP_ATTENTION.value, disaggregation_mode=_DISAGGREGATION_MODE.value,
-            disaggregation_address=_DISAGGREGATION_ADDRESS.value,
+            disaggregation_address=_DISAGGREGATION_ADDRESS.value, speculative_algorithm=_SPECULATIVE_ALGORITHM.value,
+            speculative_num_steps=_SPECULATIVE_NUM_STEPS.value, speculative_eagle_topk=_SPECULATIVE_EAGLE_TOPK.value,
+            speculative_num_draft_tokens=_SPECULATIVE_NUM_DRAFT_TOKENS.value,
         )  # fmt: skip
         if args.disaggregation_mode == "prefill":
             print(cli.run_prefill_instance(args))

@@ -29,6 +29,7 @@ from configs.model import DSAModelConfig
 from hisparse_jax.config import HiSparseConfig, HiSparseConfigError
 from models import registry
 from models.common import inputs
+from serving import speculation
 from serving.errors import UsageError
 
 MODELS = {
@@ -54,7 +55,7 @@ SERVING = "serving (no --prompts/--output)"
 CHECKPOINT_DECODING = "checkpoint decoding (--prompts/--output)"
 CHECKPOINT_DECODING_FLAGS = frozenset(
     {"checkpoint", "prompts", "output", "max_new_tokens", "dtype", "kv_cache_dtype", "enable_hisparse", "hisparse_config"}
-)
+) | frozenset(speculation.FLAGS)
 CHECKPOINT_DECODING_ONLY = frozenset({"prompts", "output", "max_new_tokens"})
 
 
@@ -281,6 +282,7 @@ class CheckpointDecode:
     config: Any  # the family's config class (models.registry)
     prompts_shape: tuple[int, int]
     kv_cache_dtype: str = "auto"
+    speculative: Any = None  # a configs.speculative.SpeculativeConfig (serving.speculation), None: plain greedy
 
 
 def check_checkpoint_decode(
@@ -293,9 +295,10 @@ def check_checkpoint_decode(
     enable_hisparse: bool,
     hisparse_config: str,
     kv_cache_dtype: str = "auto",
+    speculative=None,
 ) -> CheckpointDecode:
     """Everything checkpoint decoding reads, checked against the checkpoint's config.json before
-    any weight is loaded (or JAX started)."""
+    any weight is loaded (or JAX started). speculative: serving.speculation.speculative_config's."""
     if checkpoint is None:
         raise UsageError(f"{CHECKPOINT_DECODING} needs --checkpoint=DIR")
     if prompts is None or output is None:
@@ -313,4 +316,5 @@ def check_checkpoint_decode(
     with flag_errors("--max_new_tokens"):
         inputs.check_context(ids.shape[1], max_new_tokens, config)
     hisparse = resolve_hisparse_config(hisparse_config, config) if enable_hisparse else None
-    return CheckpointDecode(checkpoint, prompts, output, max_new_tokens, dtype, hisparse, config, ids.shape, kv_cache_dtype)
+    speculation.check_model(speculative, config)
+    return CheckpointDecode(checkpoint, prompts, output, max_new_tokens, dtype, hisparse, config, ids.shape, kv_cache_dtype, speculative)

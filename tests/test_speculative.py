@@ -12,6 +12,7 @@ rejected token could have left something (speculative slots, host rows, device r
 keys past the new lengths) is filled with NaN after each step.
 """
 
+import json
 import os
 
 import jax
@@ -213,3 +214,48 @@ def test_engine_speculates_to_the_reference_tokens_and_gives_everything_back(his
     # A last step may write num_steps - 1 positions past prompt + max_new_tokens: admission counts them.
     with pytest.raises(UsageError, match=r"needs 123 tokens \(96 prompt \+ 25 new \+ 2 speculative\) > context_length 122"):
         engine.run([Request(3, prompts[0], 25)])
+
+
+def run_decode(*flags):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run(
+        [sys.executable, os.path.join(root, "run_decode.py"), *flags], capture_output=True, text=True, cwd=root,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600,
+    )  # fmt: skip
+
+
+def test_checkpoint_decoding_with_sglang_flags_reproduces_the_fixture(tmp_path):
+    name, source, _ = GLM
+    prompts = os.path.join(FIXTURES, source, "golden.npz")
+    done = run_decode(
+        f"--checkpoint={os.path.join(FIXTURES, name)}", f"--prompts={prompts}", f"--output={tmp_path / 'out.npz'}",
+        "--max_new_tokens=16", "--dtype=float32", '--hisparse_config={"device_buffer_size": 10}',
+        "--speculative_algorithm=EAGLE", "--speculative_num_steps=2", "--speculative_eagle_topk=1", "--speculative_num_draft_tokens=3",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    with np.load(prompts) as golden, np.load(tmp_path / "out.npz") as out:
+        np.testing.assert_array_equal(out["tokens"], golden["greedy_tokens"])
+        assert out["num_accepted"].shape[1] == 2 and out["num_accepted"].max() <= 2
+    assert "acceptance length" in done.stderr
+
+
+def test_serving_run_reports_acceptance_and_plots_it(tmp_path):
+    done = run_decode(
+        f"--output_dir={tmp_path}", "--speculative_algorithm=EAGLE", "--num_prompts=4", "--random_input_len=48",
+        "--random_output_len=12", "--max_concurrency=2", "--max_running_requests=2", "--device_buffer_sweep=", "--noprogress",
+        "--dtype=float32",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "results.json") as f:
+        results = json.load(f)
+    assert results["run"]["speculative"] == dict(num_steps=3, eagle_topk=1, num_draft_tokens=4, algorithm="EAGLE")
+    assert results["run"]["overlap_schedule"] is False
+    for point in results["points"]:
+        assert 1 <= point["acceptance_length"] <= 4 and len(point["steps"]["accepted"]) == point["decode_steps"]
+    assert results["tokens_identical"] is True  # HiSparse and the baseline, both speculating
+    with open(tmp_path / "accepted_per_step.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "acceptance length" in done.stdout

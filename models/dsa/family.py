@@ -12,13 +12,14 @@ from models.common.family import DecodeOutput, Family
 from models.dsa.checks import check_hisparse
 
 
-def _decode(checkpoint, prompts, max_new_tokens, *, dtype, hisparse, kv_cache_dtype) -> DecodeOutput:
+def _decode(checkpoint, prompts, max_new_tokens, *, dtype, hisparse, kv_cache_dtype, speculative=None) -> DecodeOutput:
     from models.dsa import loading  # its load_hf_checkpoint, looked up when called (tests patch it)
     from models.dsa.generate import generate
 
-    model = loading.load_hf_checkpoint(checkpoint, dtype=dtype)
-    out = generate(model, prompts, max_new_tokens, hisparse=hisparse, kv_cache_dtype=kv_cache_dtype)
-    return DecodeOutput(out.tokens, out.logits, out.num_misses if hisparse is not None else None)
+    # The MTP layer is loaded only to speculate with it (configs.speculative.SpeculativeConfig).
+    model = loading.load_hf_checkpoint(checkpoint, dtype=dtype, load_mtp=speculative is not None)
+    out = generate(model, prompts, max_new_tokens, hisparse=hisparse, kv_cache_dtype=kv_cache_dtype, speculative=speculative)
+    return DecodeOutput(out.tokens, out.logits, out.num_misses if hisparse is not None else None, out.num_accepted)
 
 
 def _abstract(config, dtype):
