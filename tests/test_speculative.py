@@ -259,3 +259,17 @@ def test_serving_run_reports_acceptance_and_plots_it(tmp_path):
     with open(tmp_path / "accepted_per_step.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert "acceptance length" in done.stdout
+
+
+def test_device_footprint_counts_the_mtp_layer_and_the_speculative_slots():
+    from models.dsa.footprint import DeviceFootprint
+
+    config = load_hf_checkpoint(os.path.join(FIXTURES, DEEPSEEK[0]), dtype=jnp.float32).config
+    hisparse = HiSparseConfig(top_k=16, device_buffer_size=24)
+    plain = DeviceFootprint.of(config, jnp.float32, hisparse)
+    spec = DeviceFootprint.of(config, jnp.float32, hisparse, speculative=SPEC)
+    keys = (config.num_layers + 1) * 100 * spec.key_bytes  # one more indexer (the MTP layer's)
+    assert spec.request_bytes(100) == (config.num_layers + 1) * (24 + 1 + SPEC.tokens_per_step) * spec.row_bytes + keys
+    assert plain.request_bytes(100) == config.num_layers * (24 + 1) * plain.row_bytes + config.num_layers * 100 * plain.key_bytes
+    baseline = DeviceFootprint.of(config, jnp.float32, None, speculative=SPEC)  # every row on the device, no slots
+    assert baseline.request_bytes(100) == (config.num_layers + 1) * 100 * (baseline.row_bytes + baseline.key_bytes)
