@@ -189,8 +189,8 @@ def speculative_step(
     # 1. The draft chain: d_2 .. d_N from (d_1, g).
     override = None
     if draft_override is not None:  # d_i = draft_override[r, c + i]
-        where = jnp.clip(committed[:, None] + 1 + offsets[:N], 0, draft_override.shape[1] - 1)
-        override = jnp.take_along_axis(draft_override, where, axis=1)  # i32[b, N]
+        drafted_at = jnp.clip(committed[:, None] + 1 + offsets[:N], 0, draft_override.shape[1] - 1)  # i32[b, N]
+        override = jnp.take_along_axis(draft_override, drafted_at, axis=1)  # i32[b, N]
     drafts, g = [carry.draft if override is None else override[:, 0]], carry.hidden
     for k in range(1, N):
         chain_positions = jnp.where(active, committed + k - 1, -1)[:, None]  # i32[b, 1]
