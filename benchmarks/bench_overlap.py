@@ -150,7 +150,7 @@ def model_config() -> DSAModelConfig:
     base = DSAModelConfig.tiny_glm() if ARGS.smoke else DSAModelConfig.glm_5_2()
     L = ARGS.num_layers
     pattern = tuple(("full", "shared", "shared", "shared")[l % 4] for l in range(L))
-    changes = dict(num_layers=L, mlp_layer_types=("sparse",) * L, indexer_types=pattern)
+    changes = dict(num_layers=L, mlp_layer_types=("sparse",) * L, indexer_types=pattern, num_nextn_predict_layers=0)  # no MTP layer
     if not ARGS.smoke:
         changes.update(n_routed_experts=ARGS.num_experts)
     return base.replace(**changes)

@@ -132,7 +132,8 @@ def model_config() -> DSAModelConfig:
     if FLAGS.preset and not FLAGS.smoke:
         released = getattr(DSAModelConfig, PRESETS[FLAGS.preset])()
         # The rank's 32 routed experts with uniform routing over them (the router's groups: one).
-        return released.replace(n_routed_experts=32, n_group=1, topk_group=1, weight_block_size=block)
+        # No MTP layer: these runs do not speculate (SGLang then does not load it either).
+        return released.replace(n_routed_experts=32, n_group=1, topk_group=1, weight_block_size=block, num_nextn_predict_layers=0)
     config = bench_model_config(smoke=FLAGS.smoke, num_layers=FLAGS.num_layers, num_experts=FLAGS.num_experts, num_heads=FLAGS.num_heads)
     return config.replace(weight_block_size=None if block is None else ((16, 16) if FLAGS.smoke else block))
 

@@ -63,6 +63,6 @@ def bench_model_config(*, smoke: bool, num_layers: int, num_experts: int, num_he
     L = num_layers
     config = DSAModelConfig.deepseek_v32().replace(
         num_layers=L, mlp_layer_types=("dense",) + ("sparse",) * (L - 1), indexer_types=("full",) * L,
-        n_routed_experts=num_experts, n_group=8, topk_group=4,
+        n_routed_experts=num_experts, n_group=8, topk_group=4, num_nextn_predict_layers=0,  # no MTP layer: no speculation here
     )  # fmt: skip
     return config if num_heads is None else config.replace(num_heads=num_heads)

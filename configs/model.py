@@ -89,7 +89,12 @@ class DSAModelConfig:
     rope: RopeConfig
     max_position_embeddings: int
     tie_word_embeddings: bool = False
-    num_nextn_predict_layers: int = 0  # MTP layers stored after the model's layers; not loaded
+    # MTP (multi-token prediction) layers: stored after the model's layers (decoder layer
+    # num_layers + i), held by the model (models.dsa.mtp) and loaded with it; 0: none.
+    num_nextn_predict_layers: int = 0
+    # Whether each MTP layer has its own output head (`shared_head.head`); False: it uses the main
+    # lm_head (a checkpoint that leaves it out, as transformers and SGLang allow).
+    mtp_own_head: bool = True
     # None: weights in the model dtype. (b0, b1): block FP8 (DeepSeek's FP8 checkpoints: float8_e4m3fn
     # values, one f32 scale per b0 x b1 block of each [out, in] weight) for the linear layers and
     # routed experts, kept fp8 on the device (models.common.fp8); kv_b_proj (absorbed into the

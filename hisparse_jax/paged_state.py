@@ -57,11 +57,19 @@ class PagedHiSparseState(HiSparseState):
     def num_device_pages(self) -> int:
         return self.device_buffer.shape[2] // self.page_size
 
+    @property
+    def speculative_slots(self) -> int:
+        return 0  # refused at create (_device_arrays)
+
     @classmethod
-    def _device_arrays(cls, place, L, R, B, W, max_context, page_size, layout, fill_value, num_device_pages=None) -> dict:
+    def _device_arrays(
+        cls, place, L, R, B, W, max_context, page_size, layout, fill_value, num_device_pages=None, speculative_slots=0
+    ) -> dict:
         """The pool row[L, 1, N, W] (num_device_pages defaults to a buffer's pages for every slot,
         buffer_pages(B, page_size) x R, so every slot can always run host-backed), the device page
         table and the resident flags. create(..., num_device_pages=N) passes it here."""
+        if speculative_slots:
+            raise ValueError("dynamic_residency does not run speculative decoding (speculative slots) yet")
         if place.mesh is not None:
             raise ValueError("dynamic_residency does not run with data-parallel attention (a mesh) yet")
         if num_device_pages is None:

@@ -28,6 +28,9 @@ Invariants of a HiSparseState the kernels rely on (tests check them):
   * host_pool holds the row of every stored token: host slot of position p of request r is
     host_page_table[r, p // page_size] * page_size + p % page_size.
   * swap_in_scratch is SCRATCH_EMPTY everywhere between calls (the Pallas swap-in restores it).
+  * with M speculative slots (create(speculative_slots=M)), slots B + 1 .. B + M of
+    device_buffer[l, r] hold the rows of a speculative step's tokens, positions seq_len ..
+    seq_len + M - 1, during that step only (hisparse_jax.speculative; docs/contract.md).
 """
 
 from __future__ import annotations
@@ -195,6 +198,28 @@ class KVState(Protocol):
         """replay_swap_in from rows prefetch_misses fetched (a device-to-device placement)."""
         ...
 
+    # ---- speculative steps (hisparse_jax.speculative) ----------------------------------------
+
+    def speculative_plan_width(self, top_k: int) -> int | None:
+        """Top-k entries one speculative plan may take at most (the positions of one group are
+        planned together); None: any number."""
+        ...
+
+    def write_speculative(self, layer, rows, positions, committed) -> "KVState":
+        """Puts rows row[b, q, W] of a speculative step's tokens where attention finds them;
+        positions i32[b, q] (-1 inactive), committed i32[b]: tokens stored before the step."""
+        ...
+
+    def plan_speculative(self, layer, topk, committed, *, implementation=None) -> tuple["KVState", SwapInPlan]:
+        """swap_in of topk i32[b, n] over the committed context, the step's own tokens (positions
+        >= committed) resolved to where write_speculative put them. committed i32[b], -1 inactive."""
+        ...
+
+    def commit_speculative(self, layer, rows, positions, committed, *, implementation=None) -> "KVState":
+        """Keeps the rows row[b, q, W] of positions i32[b, q] below committed i32[b] (the new
+        lengths) as if decoded one by one; the rest are dropped. seq_lens is the caller's."""
+        ...
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -266,9 +291,14 @@ class HiSparseState:
         device: jax.Device | None = None,
         mesh: Mesh | None = None,
         host_memory_kind: str | None = None,
+        speculative_slots: int = 0,
         **device_options,
     ) -> "HiSparseState":
         """Allocates an empty state; every request slot starts free.
+
+        speculative_slots (M): device rows per request and layer, after the newest-token slot,
+        for the tokens of a speculative step (hisparse_jax.speculative): M = the most tokens one
+        step verifies or drafts (SGLang's num_draft_tokens). 0: none (plain decoding).
 
         B = config.device_buffer_size; rows in layout.dtype, W = layout.width. num_host_pages
         defaults to host_to_device_ratio x the device pool (R x B tokens), as SGLang sizes its
@@ -288,6 +318,8 @@ class HiSparseState:
         place = _Placer(device, mesh)
         lru = place("lru_slots", (L, R, B), jnp.int32, 0)
         lru = jax.jit(lambda x: x + jnp.arange(B, dtype=jnp.int32), out_shardings=lru.sharding, donate_argnums=0)(lru)
+        if speculative_slots:  # only the static buffer has them (a paged pool refuses in _device_arrays)
+            device_options["speculative_slots"] = speculative_slots
         return cls(
             **cls._device_arrays(place, L, R, B, W, max_context, page_size, layout, fill_value, **device_options),
             buffer_tokens=place("buffer_tokens", (L, R, B), jnp.int32, -1),
@@ -304,9 +336,15 @@ class HiSparseState:
         )
 
     @classmethod
-    def _device_arrays(cls, place, L, R, B, W, max_context, page_size, layout, fill_value) -> dict:
-        """The device row arrays create allocates: here one static B + 1 row buffer per slot."""
-        return dict(device_buffer=place("device_buffer", (L, R, B + 1, W), layout.dtype, fill_value))
+    def _device_arrays(cls, place, L, R, B, W, max_context, page_size, layout, fill_value, speculative_slots=0) -> dict:
+        """The device row arrays create allocates: here one static B + 1 (+ M speculative) row
+        buffer per slot."""
+        return dict(device_buffer=place("device_buffer", (L, R, B + 1 + speculative_slots, W), layout.dtype, fill_value))
+
+    @property
+    def speculative_slots(self) -> int:
+        """M: device slots per request and layer for a speculative step's tokens (B + 1 .. B + M)."""
+        return self.device_buffer.shape[2] - self.buffer_size - 1
 
     # ---- where rows live on the device: what a subclass (PagedHiSparseState) remaps ----------
 
@@ -513,6 +551,61 @@ class HiSparseState:
         rows_at = jnp.where(take, plan.miss_device_slots, -1)  # i32[b, K]: the plan's device rows
         return self.replace(device_buffer=self._scatter_device_rows(layer, requests, rows_at, rows))
 
+    # ---- KVState: speculative steps (the rule: docs/contract.md, "Speculative steps") --------
+
+    def speculative_plan_width(self, top_k: int) -> int:
+        """B: a plan's distinct positions must find slots among the B LRU-managed ones."""
+        return self.buffer_size
+
+    def _speculative_slot(self, positions, committed) -> jax.Array:
+        """i32[b, q]: the slot of each of the step's tokens, B + 1 + (position - committed); -1 inactive."""
+        offset = positions - committed[:, None]
+        return jnp.where((positions >= 0) & (offset >= 0), self.buffer_size + 1 + offset, -1)
+
+    def write_speculative(self, layer, rows, positions, committed) -> "HiSparseState":
+        """rows row[b, q, W] go to their speculative slots (B + 1 + position - committed); neither
+        buffer_tokens, the LRU order nor the host pool sees them until commit_speculative."""
+        requests = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape)
+        slots = self._speculative_slot(positions, committed)
+        rows = self.layout.to_stored(rows)
+        return self.replace(device_buffer=self._scatter_device_rows(layer, requests, self._slot_rows(requests, slots), rows))
+
+    def plan_speculative(self, layer, topk, committed, *, implementation=None) -> tuple["HiSparseState", SwapInPlan]:
+        """The plan of topk i32[b, n] (n <= B): the committed positions through swap_in (hits,
+        misses copied, LRU) as in a decode step whose newest token is one nobody selected (so the
+        reserved slot B is never read), then the step's own positions (>= committed) resolved to
+        their speculative slots, counted as hits."""
+        own = (topk >= 0) & (topk >= committed[:, None])  # bool[b, n]: this step's tokens
+        lengths = jnp.where(committed >= 0, committed + 1, 0)  # i32[b]: the newest, `committed`, is never selected
+        state, plan = self.swap_in(layer, jnp.where(own, -1, topk), lengths, implementation=implementation)
+        requests = jnp.arange(topk.shape[0])[:, None]
+        own_slots = self._slot_rows(requests, self._speculative_slot(topk, committed))
+        slots = jnp.where(own, own_slots, plan.slots)
+        return state, plan._replace(slots=slots, num_hits=plan.num_hits + _distinct_valid(jnp.where(own, topk, -1)))
+
+    def commit_speculative(self, layer, rows, positions, committed, *, implementation=None) -> "HiSparseState":
+        """Keeps rows row[b, q, W] of positions i32[b, q] below committed i32[b] (the new lengths):
+        their host rows are written (the backup), and the device holds what a decode step would
+        have left: while committed <= B each kept row at slot = position (buffer_tokens records
+        it), else the newest (position committed - 1) in the reserved slot B. Rows of positions
+        >= committed are dropped: they stay only in speculative slots, which the next step
+        overwrites. Speculative slots are read by nothing after this."""
+        B = self.buffer_size
+        b, q = positions.shape
+        rows = self.layout.to_stored(rows)
+        keep = (positions >= 0) & (positions < committed[:, None])  # bool[b, q]
+        host = jax.vmap(host_slots_of, in_axes=(0, 0, None))(self.host_page_table[:b], jnp.maximum(positions, 0), self.page_size)
+        pool = write_rows_to_host(
+            self.host_pool, layer, rows.reshape(b * q, -1), jnp.where(keep, host, -1).reshape(-1), implementation=implementation
+        )
+        fast = keep & (committed[:, None] <= B)  # slot = position, as decode steps leave the fast path
+        newest = keep & (positions == committed[:, None] - 1) & (committed[:, None] > B)  # to the reserved slot
+        slots = jnp.where(fast, positions, jnp.where(newest, B, -1))  # i32[b, q]
+        requests = jnp.broadcast_to(jnp.arange(b)[:, None], (b, q))
+        device_buffer = self._scatter_device_rows(layer, requests, self._slot_rows(requests, slots), rows)
+        buffer_tokens = self.buffer_tokens.at[layer, requests, jnp.where(fast, positions, B)].set(positions, mode="drop")
+        return self.replace(host_pool=pool, device_buffer=device_buffer, buffer_tokens=buffer_tokens)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -634,6 +727,27 @@ class FullKVState:
 
     def replay_prefetched(self, layer, plan: SwapInPlan, rows) -> "FullKVState":
         """Nothing to place."""
+        return self
+
+    # ---- KVState: speculative steps ----------------------------------------------------------
+
+    def speculative_plan_width(self, top_k: int) -> None:
+        """No limit: every position is on the device."""
+        return None
+
+    def write_speculative(self, layer, rows, positions, committed) -> "FullKVState":
+        """rows row[b, q, W] go to their positions i32[b, q] (-1 inactive writes nothing)."""
+        requests = jnp.broadcast_to(jnp.arange(positions.shape[0])[:, None], positions.shape)
+        target = jnp.where(positions >= 0, positions, self.max_context)
+        return self.replace(kv=self.kv.at[layer, requests, target].set(self.layout.to_stored(rows), mode="drop"))
+
+    def plan_speculative(self, layer, topk, committed, *, implementation=None) -> tuple["FullKVState", SwapInPlan]:
+        """Every position is its own slot, a hit."""
+        return self.swap_in(layer, topk, committed, implementation=implementation)
+
+    def commit_speculative(self, layer, rows, positions, committed, *, implementation=None) -> "FullKVState":
+        """Nothing to move: the kept rows are at their positions already; dropped ones lie past
+        the new lengths, where the next tokens overwrite them."""
         return self
 
 

@@ -141,6 +141,7 @@ def decode_checkpoint(
     kv_cache_dtype: str = "auto",
     parallel=None,
     implementation: str | None = None,
+    speculative=None,
 ) -> DecodeOutput:
     """Loads a Hugging Face checkpoint, greedy-decodes the prompts of an .npz (`input_ids`
     int32 [B, T]) and writes `tokens` int32 [B, N] and `logits` float32 [B, N, V] to output_path
@@ -155,7 +156,11 @@ def decode_checkpoint(
     glm_moe_dsa, deepseek_v4, minimax_m3_vl_text / minimax_m3_vl), which picks the loader and the
     decode function (HiSparse on or off). Every input (config.json, the prompts against it,
     max_new_tokens, hisparse, the output path) is checked before the weights load
-    (models.common.inputs.InputError); the output appears whole or not at all (written aside, then renamed)."""
+    (models.common.inputs.InputError); the output appears whole or not at all (written aside, then renamed).
+
+    speculative: a configs.speculative.SpeculativeConfig decodes with the model's MTP layer (DSA
+    models with one; the same tokens); the output then also holds `num_accepted` int32 [S, B],
+    drafts accepted per decode step and prompt (-1 once a prompt had its tokens)."""
     import jax.numpy as jnp
 
     from models.dsa.indexer import index_key_dtype  # the kv_cache_dtype names every family's check uses
@@ -171,18 +176,26 @@ def decode_checkpoint(
     index_key_dtype(kv_cache_dtype, dtype)  # a ValueError for an unknown name, before the weights load
     output_path = inputs.check_output_path(output_path)
     options = check_decode_options(config, parallel, implementation, num_prompts=prompts.shape[0])
+    if speculative is not None:
+        if family.name != "dsa" or config.num_nextn_predict_layers < 1:
+            raise InputError(f"speculative decoding needs a DSA model with an MTP layer; {checkpoint} has none")
+        options = dict(options, speculative=speculative)
     out = family.decode(checkpoint, prompts, max_new_tokens, dtype=dtype, hisparse=hisparse, kv_cache_dtype=kv_cache_dtype, **options)
     logging.info("decoded %s: %s (%s family), params %s", checkpoint, config.model_type, family.name, np.dtype(dtype).name)
     partial = f"{output_path}.partial-{os.getpid()}"
     try:
+        accepted = {} if out.num_accepted is None else dict(num_accepted=out.num_accepted)
         with open(partial, "wb") as f:  # a file object: np.savez appends no suffix
-            np.savez(f, tokens=out.tokens, logits=out.logits)
+            np.savez(f, tokens=out.tokens, logits=out.logits, **accepted)
         os.replace(partial, output_path)
     finally:
         if os.path.exists(partial):
             os.remove(partial)
     if out.num_misses is not None and np.size(out.num_misses):
         logging.info("hisparse: %d misses over %d decode steps", np.sum(out.num_misses), len(out.num_misses))
+    if out.num_accepted is not None and np.any(out.num_accepted >= 0):
+        steps = out.num_accepted[out.num_accepted >= 0]
+        logging.info("speculative: acceptance length %.3f over %d request steps", 1 + steps.mean(), steps.size)
     return out
 
 

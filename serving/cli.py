@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from configs.model import DSAModelConfig, UnsupportedModelError
+from configs.speculative import SpeculativeConfig
 from hisparse_jax import memory
 from hisparse_jax.attention_layer import shared_prefetch_mode
 from hisparse_jax.config import HiSparseConfig
@@ -44,6 +45,7 @@ from models.dsa.model import DSAForCausalLM
 from models.common.runner import padded_prompt_length
 from models.dsa.runner import ModelRunner, PrefilledKV, resolved_shared_prefetch
 from models.registry import decode_checkpoint
+from serving import speculation
 from serving.disaggregation import KVReceiver, KVSender, parse_address
 from serving.engine import Engine, EngineConfig, progress_bar
 from serving import fit
@@ -107,6 +109,12 @@ class ServingArgs:
     disaggregation_mode: str = "null"  # SGLang's --disaggregation-mode: null (colocated), prefill, decode
     disaggregation_address: str = "127.0.0.1:5757"  # the decode instance's control address
     disaggregation_timeout_s: float = 60.0  # how long either PD instance waits for the other
+    # SGLang's --speculative-* flags (serving.speculation; `speculative` below): EAGLE drafting with
+    # the model's MTP layer (built-in random models get a random one). None: plain decoding.
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):  # each value by its flag's rule (validation.check_flag)
@@ -122,7 +130,13 @@ class ServingArgs:
         if not self.enable_hisparse and self.device_buffer_sweep:
             raise UsageError("--device_buffer_sweep needs --enable_hisparse (it sweeps HiSparse's buffer); drop one of them")
         check_residency_serving(dataclasses.asdict(self))
+        speculation.check_serving(self.speculative, dataclasses.asdict(self))
         check_prefetch_environment(self.implementation)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The --speculative_* flags as one config (checked in __post_init__); None without them."""
+        return speculation.speculative_config(dataclasses.asdict(self))
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -153,8 +167,13 @@ def buffer_sweep(args: ServingArgs, hisparse: HiSparseConfig) -> tuple[int, ...]
 def model_config(args: ServingArgs):
     """The architecture alone (cheap): a built-in config or the checkpoint's config.json."""
     if args.checkpoint is None:
-        return MODELS[args.model]()
-    return checkpoint_config(args.checkpoint)
+        config = MODELS[args.model]()
+        if args.speculative is not None and isinstance(config, DSAModelConfig):  # random weights: give it an MTP layer
+            config = config.replace(num_nextn_predict_layers=max(1, config.num_nextn_predict_layers))
+    else:
+        config = checkpoint_config(args.checkpoint)
+    speculation.check_model(args.speculative, config)
+    return config
 
 
 def load_model(args: ServingArgs):
@@ -162,10 +181,11 @@ def load_model(args: ServingArgs):
     dtype = DTYPES[args.dtype]
     if args.checkpoint is not None:
         try:
-            return load_hf_checkpoint(args.checkpoint, dtype=dtype), os.path.basename(os.path.normpath(args.checkpoint))
+            model = load_hf_checkpoint(args.checkpoint, dtype=dtype, load_mtp=args.speculative is not None)
+            return model, os.path.basename(os.path.normpath(args.checkpoint))
         except (CheckpointError, UnsupportedModelError, OSError) as error:
             raise UsageError(f"--checkpoint: {error}") from None
-    config = MODELS[args.model]()
+    config = model_config(args)
     family = registry.family_of_config(config)
     if family.random_model is not None:  # DeepSeek-V4, MiniMax-M3
         return family.random_model(config, dtype, args.seed), f"{args.model} (random weights)"
@@ -178,7 +198,9 @@ def make_runner(model, args: ServingArgs):
     if family.make_runner is not None:
         return family.make_runner(model, implementation=args.implementation)
     try:
-        return ModelRunner(model, implementation=args.implementation, parallel=args.parallel, kv_cache_dtype=args.kv_cache_dtype)
+        return ModelRunner(
+            model, implementation=args.implementation, parallel=args.parallel, kv_cache_dtype=args.kv_cache_dtype, speculative=args.speculative
+        )
     except ParallelConfigError as error:  # too few devices for the mesh
         raise UsageError(f"--tp_size/--dp_size/--enable_dp_attention: {error}") from None
 
@@ -215,14 +237,16 @@ def _prepare(args: ServingArgs) -> _Prepared:
         num_prompts=args.num_prompts, input_len=args.random_input_len, output_len=args.random_output_len,
         range_ratio=args.random_range_ratio, vocab_size=config.vocab_size, seed=args.seed, eos_token_id=args.eos_token_id,
     )  # fmt: skip
-    context = args.context_length or max(r.max_tokens for r in requests)
+    drafts = 0 if args.speculative is None else args.speculative.num_steps - 1  # a last step's drafts (Engine)
+    context = args.context_length or max(r.max_tokens for r in requests) + drafts
     if args.disaggregation_mode == "decode":  # what arrives: any request the workload flags allow
         context = args.context_length or args.random_input_len + args.random_output_len
     longest = max(requests, key=lambda r: r.max_tokens)
-    if longest.max_tokens > context and args.disaggregation_mode != "decode":
+    if longest.max_tokens + drafts > context and args.disaggregation_mode != "decode":
+        extra = f" + {drafts} speculative" if drafts else ""
         raise UsageError(
-            f"request {longest.id} needs {longest.max_tokens} tokens ({longest.prompt_len} prompt +"
-            f" {longest.max_new_tokens} new) > context_length {context}"
+            f"request {longest.id} needs {longest.max_tokens + drafts} tokens ({longest.prompt_len} prompt +"
+            f" {longest.max_new_tokens} new{extra}) > context_length {context}"
         )
     if context > config.max_position_embeddings:
         source = f"--context_length={context}" if args.context_length else f"the workload's longest request ({context} tokens)"
@@ -259,7 +283,7 @@ def _footprint(config, args: ServingArgs, hisparse: HiSparseConfig | None):
     if family.footprint is not None:  # DeepSeek-V4, MiniMax-M3: the runner's own count
         return family.footprint(config, DTYPES[args.dtype], hisparse)
     prefetch = resolved_shared_prefetch(args.parallel, args.implementation)  # as the runner will
-    return DeviceFootprint.of(config, DTYPES[args.dtype], hisparse, args.kv_cache_dtype, prefetch)
+    return DeviceFootprint.of(config, DTYPES[args.dtype], hisparse, args.kv_cache_dtype, prefetch, args.speculative)
 
 
 def run_serving(args: ServingArgs) -> dict:
@@ -278,7 +302,8 @@ def run_serving(args: ServingArgs) -> dict:
             parallel=dataclasses.asdict(args.parallel),
             jax_version=jax.__version__, context_length=context, max_running_requests=args.max_running_requests,
             kv_budget_bytes=budget, kv_budget_source=budget_source, hisparse_config=json.loads(hisparse.to_json()),
-            page_size=args.page_size, overlap_schedule=not args.disable_overlap_schedule,
+            page_size=args.page_size, overlap_schedule=not args.disable_overlap_schedule and args.speculative is None,
+            speculative=None if args.speculative is None else dataclasses.asdict(args.speculative),
             workload=dict(dataset="random", num_prompts=args.num_prompts, random_input_len=args.random_input_len,
                           random_output_len=args.random_output_len, random_range_ratio=args.random_range_ratio,
                           seed=args.seed, output_tokens=sum(r.max_new_tokens for r in requests)),
@@ -459,6 +484,13 @@ def _plot(results: dict, output_dir: str, prefix: str, label: str) -> dict:
         if series:
             files["misses_over_time"] = path("misses_over_time")
             plots.misses_over_time(series, files["misses_over_time"], label=label)
+        if "acceptance_length" in results["points"][0]:  # speculative decoding: tokens per request per step
+            accepted = {
+                f"{p['mode']} c={p['max_concurrency']}": [(n + a) / n for n, a in zip(p["steps"]["running"], p["steps"]["accepted"])]
+                for p in results["points"]
+            }  # fmt: skip
+            files["accepted_per_step"] = path("accepted_per_step")
+            plots.accepted_per_step(accepted, files["accepted_per_step"], label=label)
     if results["buffer_sweep"]:
         sweep = results["buffer_sweep"]
         files["misses_vs_buffer_size"] = path("misses_vs_buffer_size")
@@ -532,6 +564,7 @@ def run_checkpoint_decode(job: CheckpointDecode):
         return decode_checkpoint(
             job.checkpoint, job.prompts, job.output, max_new_tokens=job.max_new_tokens, dtype=DTYPES[job.dtype],
             hisparse=job.hisparse, kv_cache_dtype=job.kv_cache_dtype, parallel=parallel, implementation=job.implementation,
+            speculative=job.speculative,
         )  # fmt: skip
     except (CheckpointError, UnsupportedModelError) as error:
         raise UsageError(f"--checkpoint: {error}") from None

@@ -40,6 +40,14 @@ The baseline is the same engine with `hisparse=None`: a FullKVState keeps every 
 device and admission counts full-context KV against the same budget. Both attend to the same
 rows with the same kernels, so they produce the same tokens.
 
+Speculative decoding (a runner built with `speculative=SpeculativeConfig(...)`,
+models.dsa.speculative): each step drafts with the MTP layer, verifies num_steps + 1 tokens per
+request and emits the accepted ones (1 .. num_steps + 1 per request), in one dispatch
+(runner.speculative_greedy_step); each request's draft state (DraftState, R slots) stays on the
+device, set by its prefill and moved by compaction. How many tokens a step makes is known only
+once it is read, so these steps run without the overlap schedule. Admission reserves num_steps
+- 1 positions past prompt + max_new_tokens for the drafts a last step writes.
+
 Two labelled SYNTHETIC options serve studies and benchmarks, never real-model figures:
   synthetic_topk_overlap: decode top-k from serving.synthetic_selection in place of
     the indexers' choice (miss rate vs buffer size for a selection as stable as a trained
@@ -210,6 +218,9 @@ class Engine:
             raise UsageError(str(error)) from None
         if hisparse is not None and hisparse.dynamic_residency is not None and runner.mesh is not None:
             raise UsageError("dynamic_residency runs on one device only yet (one device pool per engine); drop the mesh")
+        self.speculative = getattr(runner, "speculative", None)  # a SpeculativeConfig (DSA runners), else None
+        if self.speculative is not None:
+            self._check_speculative()
         self.cache: DecodeCache = self._empty_cache()
         # Data-parallel attention (runner.mesh): each group schedules its own slots, host pool
         # block and share of the device budget, as SGLang's DP ranks do.
@@ -229,6 +240,7 @@ class Engine:
             Scheduler(
                 num_slots=R // groups, context_length=C, footprint=self.footprint, kv_budget_bytes=budget,
                 host_pages=None if self._host_pages is None else self._host_pages[g], residency=self.residency,
+                extra_tokens=0 if self.speculative is None else self.speculative.num_steps - 1,  # a last step's drafts
             )  # fmt: skip
             for g in range(groups)
         ]
@@ -246,6 +258,22 @@ class Engine:
             self.buckets = tuple(sorted({b for b in config.batch_buckets if b < R} | {R}))
         self._fill = SyntheticFill(self.cache, implementation=runner.implementation, mesh=runner.mesh) if config.synthetic_context else None
         self._fill_key = jax.random.key(config.seed)
+        if self.speculative is not None:  # every slot's DraftState, on the device
+            self._carry = runner.empty_draft_state(R)
+            self._set_carry = jax.jit(lambda carry, slot, draft: jax.tree.map(lambda x, v: x.at[slot].set(v), carry, draft), donate_argnums=0)
+            self._move_carry = jax.jit(lambda carry, source, target: jax.tree.map(lambda x: x.at[target].set(x[source]), carry), donate_argnums=0)
+
+    def _check_speculative(self) -> None:
+        """What speculative decoding does not run with yet, refused by name."""
+        config = self.config
+        unsupported = {
+            "dynamic_residency": config.hisparse is not None and config.hisparse.dynamic_residency is not None,
+            "synthetic_topk_overlap": config.synthetic_topk_overlap is not None,
+            "synthetic_context": config.synthetic_context,
+        }
+        for name, used in unsupported.items():
+            if used:
+                raise UsageError(f"{name} does not run with speculative decoding yet")
 
     def _empty_cache(self) -> DecodeCache:
         config = self.config
@@ -283,6 +311,8 @@ class Engine:
     def use_selection(self, synthetic_topk_overlap: float | None) -> None:
         """Decode top-k from the model's indexers (None) or the SYNTHETIC selector with this
         overlap, from the next run on; the cache stays (benchmarks switch without reallocating)."""
+        if synthetic_topk_overlap is not None and getattr(self, "speculative", None) is not None:
+            raise UsageError("synthetic_topk_overlap does not run with speculative decoding yet")
         self.config = dataclasses.replace(self.config, synthetic_topk_overlap=synthetic_topk_overlap)
         self.selector = None
         if synthetic_topk_overlap is not None:
@@ -327,6 +357,8 @@ class Engine:
             self._apply(placement.changes)  # demotions only
             kv = self._assign(self.cache.kv, jnp.int32(slot), jnp.asarray(placement.page_row), jnp.bool_(placement.resident))
             self.cache = dataclasses.replace(self.cache, kv=kv)
+        if request.prefilled is not None and self.speculative is not None:
+            raise UsageError("PD disaggregation does not run with speculative decoding yet (no MTP draft state from the prefill instance)")
         if request.prefilled is not None:  # PD: a prefill instance computed it; store it as it came
             self.cache = self.runner.admit_prefilled(self.cache, slot, request.prompt_len, request.prefilled, host_pages=pages)
             return request.first_token
@@ -349,6 +381,8 @@ class Engine:
             if not job.done:
                 break  # FCFS: later prompts wait for this one
             del prefilling[slot]
+            if self.speculative is not None:  # its first token, the MTP layer's draft after it
+                self._carry = self._set_carry(self._carry, jnp.int32(slot), job.draft)
             finished.append((request, slot, int(self._argmax(job.logits))))
         return finished
 
@@ -372,6 +406,8 @@ class Engine:
                 self.residency.move(source, target)
             if self.selector is not None:
                 self.selector.move(source, target)
+            if self.speculative is not None:
+                self._carry = self._move_carry(self._carry, jnp.int32(source), jnp.int32(target))
             inputs.move(source, target)
             if source in prefilling:
                 prefilling[target] = prefilling.pop(source)
@@ -401,6 +437,16 @@ class Engine:
         # Copies: the loop changes its arrays before the step runs (the CPU may not copy them in).
         tokens, positions, src = (array[:b].copy() for array in (inputs.tokens, inputs.positions, inputs.src))
         self.cache, _, result = self.runner.greedy_step(self.cache, tokens, positions, topk, TokenFeed(previous, src))
+        batch = [(int(slot), self.scheduler.running_request(int(slot))) for slot in active]
+        return _InFlight(result, batch, b, begin)
+
+    def _dispatch_speculative(self, inputs: _SlotInputs, active: np.ndarray) -> _InFlight:
+        """One speculative step for the `active` slots (positions: their committed lengths) on
+        the smallest bucket holding them; their input tokens and drafts are in the device carry."""
+        b = self._bucket(int(active.max()) + 1)
+        begin = time.perf_counter()
+        committed = inputs.positions[:b].copy()
+        self.cache, result, self._carry = self.runner.speculative_greedy_step(self.cache, self._carry, committed)
         batch = [(int(slot), self.scheduler.running_request(int(slot))) for slot in active]
         return _InFlight(result, batch, b, begin)
 
@@ -524,6 +570,32 @@ class Engine:
                     inputs.positions[slot] += 1
                     inputs.src[slot] = slot  # its next input: this step's token for this slot
 
+        def read_speculative(step: _InFlight) -> None:
+            """Reads a speculative step (right after its dispatch: no overlap): each request emits
+            its accepted drafts + 1 tokens, stopping at its EOS or max_new_tokens (the rest are
+            dropped: its KV past them is never read), and moves on by what it kept."""
+            nonlocal last_ready
+            tokens, accepted, hits, misses = jax.device_get(step.result)
+            step.ready_s = time.perf_counter()
+            now = step.ready_s - start
+            emitted = 0
+            for slot, request in step.batch:
+                made = int(accepted[slot]) + 1
+                for token in tokens[slot, :made]:
+                    emitted += 1
+                    if emit(request, int(token), now):
+                        retire(slot)
+                        break
+                else:
+                    inputs.positions[slot] += made
+            slots = [slot for slot, _ in step.batch]
+            step_s = step.ready_s - max(step.begin_s, last_ready)
+            steps.append(StepRecord(
+                now, step_s, len(step.batch), int(hits), int(misses), int(misses) * self.footprint.row_bytes, step.size,
+                accepted=int(accepted[slots].sum()), emitted=emitted,
+            ))  # fmt: skip
+            last_ready = step.ready_s
+
         def read(step: _InFlight) -> None:
             """Reads `step`'s tokens and counts: emits each request's token, retires a request
             that emitted its EOS. Under the overlap schedule the next step is already dispatched
@@ -593,7 +665,9 @@ class Engine:
                         raise RuntimeError("admission stalled with nothing running")
                     continue  # what was admitted finished at prefill (max_new_tokens 1 or EOS): admit again
                 step = None
-                if active.size:
+                if active.size and self.speculative is not None:  # no overlap: read right away
+                    read_speculative(self._dispatch_speculative(inputs, active))
+                elif active.size:
                     if self.residency is not None:
                         self._apply(self.residency.rebalance(), inputs.positions)
                     if self.selector is not None and inflight is not None:
@@ -658,8 +732,11 @@ class Engine:
         try:
             for b in self.buckets:
                 tokens, positions = np.zeros(b, np.int32), np.full(b, -1, np.int32)  # i32[b]: all inactive
-                topk = None if self.selector is None else self.selector.select(positions, np.zeros(b, np.int32))
-                self.cache, _, result = self.runner.greedy_step(self.cache, tokens, positions, topk)
+                if self.speculative is not None:
+                    self.cache, result, self._carry = self.runner.speculative_greedy_step(self.cache, self._carry, positions)
+                else:
+                    topk = None if self.selector is None else self.selector.select(positions, np.zeros(b, np.int32))
+                    self.cache, _, result = self.runner.greedy_step(self.cache, tokens, positions, topk)
                 jax.device_get(result)
                 bar.update(1)
             if self.residency is not None:  # residency changes on a free slot: nothing to copy
@@ -668,6 +745,8 @@ class Engine:
                 self.cache = dataclasses.replace(self.cache, kv=self._end(kv, jnp.int32(0)))
             if len(self.buckets) > 1:  # compaction's move, on a free slot onto itself: changes nothing
                 self.cache = self.runner.move_request(self.cache, 0, 0)
+                if self.speculative is not None:
+                    self._carry = self._move_carry(self._carry, jnp.int32(0), jnp.int32(0))
                 if self.selector is not None:
                     self.selector.move(0, 0)
         finally:

@@ -84,3 +84,19 @@ def misses_vs_buffer_size(points: list[dict], path, *, label: str) -> None:
     _title(ax, f"Misses vs device buffer size [{label}]")
     ax.grid(True, alpha=0.3)
     _save(fig, path)
+
+
+def accepted_per_step(series: dict[str, list[float]], path, *, label: str, window: int = 8) -> None:
+    """series: name -> a speculative run's tokens per request in each decode step (accepted drafts
+    + 1: the acceptance length of the step), raw and as a trailing mean over `window` steps."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, values in series.items():
+        line = ax.plot(rolling_mean(values, window), label=f"{name} (rolling mean, {window} steps)")[0]
+        ax.plot(values, ".", markersize=3, alpha=0.4, color=line.get_color())
+    ax.set_xlabel("decode step")
+    ax.set_ylabel("accepted tokens per request (drafts + 1)")
+    ax.set_ylim(bottom=0)
+    _title(ax, f"Speculative decoding: accepted tokens per step [{label}]")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)

@@ -29,7 +29,7 @@ import sys
 
 from absl import app, flags
 
-from serving import validation
+from serving import speculation, validation
 from serving.errors import UsageError
 
 _MODEL = flags.DEFINE_string(
@@ -116,6 +116,13 @@ _DISAGGREGATION_TIMEOUT_S = flags.DEFINE_float(
     "PD: how long the prefill instance retries its connection to the decode instance, and the decode instance waits"
     " for the prefill instance to connect, before one error line.",
 )  # fmt: skip
+# Speculative decoding with the model's MTP layer (SGLang's flags; serving.speculation).
+_SPECULATIVE_ALGORITHM = flags.DEFINE_string("speculative_algorithm", None, "EAGLE: draft with the model's MTP layer, verify in one step.")
+_SPECULATIVE_NUM_STEPS = flags.DEFINE_integer("speculative_num_steps", None, "Draft steps per verification (default 3).")
+_SPECULATIVE_EAGLE_TOPK = flags.DEFINE_integer("speculative_eagle_topk", None, "Draft branches per step: 1 only (a chain).")
+_SPECULATIVE_NUM_DRAFT_TOKENS = flags.DEFINE_integer(
+    "speculative_num_draft_tokens", None, "Tokens verified per step: speculative_num_steps + 1 (the default)."
+)
 
 
 def _use_host_devices(count: int) -> None:
@@ -155,15 +162,18 @@ def main(argv):
         checkpoint_decoding = _PROMPTS.value is not None or _OUTPUT.value is not None
         mode = validation.CHECKPOINT_DECODING if checkpoint_decoding else validation.SERVING
         validation.check_flags(mode, values, present)
+        speculative = speculation.speculative_config(values)
         if checkpoint_decoding:
             job = validation.check_checkpoint_decode(
                 _CHECKPOINT.value, _PROMPTS.value, _OUTPUT.value, max_new_tokens=_MAX_NEW_TOKENS.value,
                 dtype=_DTYPE.value, enable_hisparse=_ENABLE_HISPARSE.value, hisparse_config=_HISPARSE_CONFIG.value,
                 kv_cache_dtype=_KV_CACHE_DTYPE.value, tp_size=_TP_SIZE.value, dp_size=_DP_SIZE.value,
                 enable_dp_attention=_ENABLE_DP_ATTENTION.value, implementation=_IMPLEMENTATION.value,
+                speculative=speculative,
             )  # fmt: skip
             _use_host_devices(job.num_devices)
         else:
+            speculation.check_serving(speculative, values)
             if _CHECKPOINT.value is not None:  # its config.json: a model serving runs (DSA), before JAX starts
                 validation.checkpoint_config(_CHECKPOINT.value)
             devices = _TP_SIZE.value if _ENABLE_DP_ATTENTION.value else _TP_SIZE.value * _DP_SIZE.value
@@ -200,6 +210,9 @@ def main(argv):
             tp_size=_TP_SIZE.value, dp_size=_DP_SIZE.value,
             enable_dp_attention=_ENABLE_DP_ATTENTION.value, disaggregation_mode=_DISAGGREGATION_MODE.value,
             disaggregation_address=_DISAGGREGATION_ADDRESS.value, disaggregation_timeout_s=_DISAGGREGATION_TIMEOUT_S.value,
+            speculative_algorithm=_SPECULATIVE_ALGORITHM.value,
+            speculative_num_steps=_SPECULATIVE_NUM_STEPS.value, speculative_eagle_topk=_SPECULATIVE_EAGLE_TOPK.value,
+            speculative_num_draft_tokens=_SPECULATIVE_NUM_DRAFT_TOKENS.value,
         )  # fmt: skip
         if args.disaggregation_mode == "prefill":
             print(cli.run_prefill_instance(args))

@@ -48,10 +48,14 @@ class Scheduler:
         kv_budget_bytes: int | None = None,
         host_pages: HostPageAllocator | None = None,
         residency=None,
+        extra_tokens: int = 0,
     ):
         """kv_budget_bytes None: no device limit beyond the slots. host_pages None: no host pool
         (the baseline). residency: a serving.residency.ResidencyManager whose device pages must
-        also take the request (dynamic residency), or None."""
+        also take the request (dynamic residency), or None. extra_tokens: positions a request
+        may write past prompt + max_new_tokens (speculative decoding's drafts: num_steps), counted
+        in its context, host pages and device bytes."""
+        self.extra_tokens = extra_tokens
         self.num_slots = num_slots
         self.context_length = context_length
         self.footprint = footprint
@@ -76,11 +80,12 @@ class Scheduler:
 
     def check(self, request: Request) -> None:
         """Raises UsageError when `request` could not run even with every pool free."""
-        tokens = request.max_tokens
+        tokens = self._tokens(request)
         if tokens > self.context_length:
+            drafts = f" + {self.extra_tokens} speculative" if self.extra_tokens else ""
             raise UsageError(
                 f"request {request.id} needs {tokens} tokens ({request.prompt_len} prompt + {request.max_new_tokens}"
-                f" new) > context_length {self.context_length}"
+                f" new{drafts}) > context_length {self.context_length}"
             )
         if self.host_pages is not None and not self.host_pages.pages_for(tokens) <= self.host_pages.num_pages:
             raise UsageError(
@@ -99,14 +104,18 @@ class Scheduler:
         self.check(request)
         self.waiting.append(request)
 
+    def _tokens(self, request: Request) -> int:
+        """Positions `request` may write: prompt + max_new_tokens (+ extra_tokens)."""
+        return request.max_tokens + self.extra_tokens
+
     def _fits(self, request: Request) -> bool:
         if not self._free_slots:
             return False
-        if self.host_pages is not None and not self.host_pages.can_allocate(request.max_tokens):
+        if self.host_pages is not None and not self.host_pages.can_allocate(self._tokens(request)):
             return False
         if self.residency is not None and not self.residency.can_admit(request):
             return False
-        need = self.footprint.request_bytes(request.max_tokens)
+        need = self.footprint.request_bytes(self._tokens(request))
         return self.kv_budget_bytes is None or self.device_bytes_in_use + need <= self.kv_budget_bytes
 
     def admit(self) -> list[Admission]:
@@ -114,9 +123,9 @@ class Scheduler:
         admitted = []
         while self.waiting and self._fits(self.waiting[0]):
             request = self.waiting.popleft()
-            pages = None if self.host_pages is None else self.host_pages.allocate(request.max_tokens)
+            pages = None if self.host_pages is None else self.host_pages.allocate(self._tokens(request))
             slot = heapq.heappop(self._free_slots)
-            need = self.footprint.request_bytes(request.max_tokens)
+            need = self.footprint.request_bytes(self._tokens(request))
             self.device_bytes_in_use += need
             self._running[slot] = _Running(request, pages, need)
             residency = None if self.residency is None else self.residency.admit(slot, request)

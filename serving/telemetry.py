@@ -27,6 +27,10 @@ class StepRecord:
     misses: int  # rows copied host -> device, all layers and requests
     h2d_bytes: int  # misses x row bytes
     batch: int = 0  # slots the step computed: the batch bucket holding the running requests
+    # Speculative decoding: drafts the step accepted, summed over its requests (it made running +
+    # accepted tokens, some maybe past a request's end), and the tokens it emitted. None: a plain step.
+    accepted: int | None = None
+    emitted: int | None = None
 
 
 @dataclasses.dataclass
@@ -57,7 +61,7 @@ def summarize(steps: list[StepRecord], traces: list[RequestTrace], duration_s: f
     """The run's summary as a JSON-ready dict. measure_ttft False: contexts were not prefilled
     by the model (synthetic fill), so TTFT is not reported."""
     output_tokens = sum(len(t.token_times_s) for t in traces)
-    decode_tokens = sum(s.running for s in steps)
+    decode_tokens = sum(s.running if s.emitted is None else s.emitted for s in steps)
     decode_s = sum(s.step_s for s in steps)
     hits = sum(s.hits for s in steps)
     misses = sum(s.misses for s in steps)
@@ -77,7 +81,19 @@ def summarize(steps: list[StepRecord], traces: list[RequestTrace], duration_s: f
         misses=misses,
         miss_rate=misses / (hits + misses) if hits + misses else 0.0,
         h2d_bytes=sum(s.h2d_bytes for s in steps),
+        **_acceptance(steps),
     )
+
+
+def _acceptance(steps: list[StepRecord]) -> dict:
+    """Speculative runs: acceptance_length, tokens a request's step made on average (accepted
+    drafts + 1, SGLang's accept length), and accepted drafts per step. Nothing for plain runs."""
+    speculative = [s for s in steps if s.accepted is not None]
+    if not speculative:
+        return {}
+    request_steps = sum(s.running for s in speculative)
+    accepted = sum(s.accepted for s in speculative)
+    return dict(acceptance_length=(request_steps + accepted) / request_steps if request_steps else None, accepted_drafts=accepted)
 
 
 def steps_to_json(steps: list[StepRecord]) -> dict:
@@ -97,6 +113,7 @@ def format_summary(label: str, summary: dict) -> str:
         f"  miss rate {summary['miss_rate']:.3f}  H2D {summary['h2d_bytes'] / 1e6:.2f} MB"
         + _kv_text(summary.get("kv_bytes_per_request"))
         + _residency_text(summary.get("residency"))
+        + (f"  acceptance length {fmt(summary['acceptance_length'])}" if "acceptance_length" in summary else "")
     )
 
 

@@ -31,6 +31,7 @@ from hisparse_jax import config as hisparse_config
 from hisparse_jax.config import HiSparseConfig, HiSparseConfigError
 from models import registry
 from models.common import inputs
+from serving import speculation
 from serving.errors import UsageError
 
 MODELS = {
@@ -71,7 +72,7 @@ CHECKPOINT_DECODING = "checkpoint decoding (--prompts/--output)"
 CHECKPOINT_DECODING_FLAGS = frozenset(
     {"checkpoint", "prompts", "output", "max_new_tokens", "dtype", "kv_cache_dtype", "enable_hisparse", "hisparse_config",
      "tp_size", "dp_size", "enable_dp_attention", "implementation"}
-)  # fmt: skip
+) | frozenset(speculation.FLAGS)  # fmt: skip
 CHECKPOINT_DECODING_ONLY = frozenset({"prompts", "output", "max_new_tokens"})
 
 
@@ -352,6 +353,7 @@ class CheckpointDecode:
     dp_size: int = 1
     enable_dp_attention: bool = False
     implementation: str | None = None  # the kernels (None: the backend's default); DSA checkpoints only
+    speculative: Any = None  # a configs.speculative.SpeculativeConfig (serving.speculation), None: plain greedy
 
     @property
     def num_devices(self) -> int:
@@ -372,10 +374,12 @@ def check_checkpoint_decode(
     dp_size: int = 1,
     enable_dp_attention: bool = False,
     implementation: str | None = None,
+    speculative=None,
 ) -> CheckpointDecode:
     """Everything checkpoint decoding reads, checked against the checkpoint's config.json before
     any weight is loaded (or JAX started). A mesh (tp_size, dp_size, enable_dp_attention, as
-    serving's) and implementation are taken by DSA checkpoints (registry: decodes_on_a_mesh)."""
+    serving's) and implementation are taken by DSA checkpoints (registry: decodes_on_a_mesh);
+    speculative: serving.speculation.speculative_config's (one device only)."""
     if checkpoint is None:
         raise UsageError(f"{CHECKPOINT_DECODING} needs --checkpoint=DIR")
     if prompts is None or output is None:
@@ -403,7 +407,10 @@ def check_checkpoint_decode(
             raise UsageError(f"--implementation: {name} checkpoint decoding runs its default kernels; drop it")
     with flag_errors("--tp_size/--dp_size/--enable_dp_attention"):
         inputs.check_parallel(config, split, num_requests=ids.shape[0], requests=f"prompts (rows of {prompts} input_ids)")
+    speculation.check_model(speculative, config)
+    if speculative is not None and not split.is_single_device:
+        raise UsageError("--speculative_algorithm: speculative decoding runs on one device yet; drop --tp_size/--dp_size/--enable_dp_attention")
     return CheckpointDecode(
         checkpoint, prompts, output, max_new_tokens, dtype, hisparse, config, ids.shape, kv_cache_dtype, tp_size, dp_size,
-        enable_dp_attention, implementation,
+        enable_dp_attention, implementation, speculative,
     )  # fmt: skip

@@ -31,3 +31,20 @@ def swap_in_one_request(buffer_tokens, lru_slots, topk, n, host_slot_of):
     new_lru = untouched + victims + hits_in_old_order
     slots = [-1 if p < 0 else B if p == newest else tokens.index(p) for p in topk]
     return slots, tokens, new_lru, len(distinct) - len(misses) + newest_selected, len(misses), plan
+
+
+def speculative_plan_one_request(buffer_tokens, lru_slots, topk, committed, host_slot_of):
+    """One plan of a speculative step (docs/contract.md, "Speculative steps"): the step's own
+    positions (>= committed) resolve to their speculative slots B + 1 + (p - committed), counted
+    as hits once each; the committed ones are planned as by swap_in_one_request for a context of
+    committed + 1 tokens whose newest, position `committed`, nobody selected (so nothing resolves
+    to the reserved slot B). Returns what swap_in_one_request returns."""
+    B = len(buffer_tokens)
+    old = [p if 0 <= p < committed else -1 for p in topk]
+    slots, tokens, lru, hits, misses, plan = swap_in_one_request(buffer_tokens, lru_slots, old, committed + 1, host_slot_of)
+    own = []
+    for p in topk:
+        if p >= committed and p not in own:
+            own.append(p)
+    slots = [B + 1 + p - committed if p >= committed else s for p, s in zip(topk, slots)]
+    return slots, tokens, lru, hits + len(own), misses, plan

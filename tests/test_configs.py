@@ -80,11 +80,13 @@ def test_real_size_models_build_as_shapes_only(name):
     assert model.layers[5].mlp.gate.weight.dtype == jnp.float32  # the router stays f32
     indexers = sum(layer.self_attn.indexer is not None for layer in model.layers)
     assert indexers == len(config.full_indexer_layers)
+    assert len(model.mtp) == config.num_nextn_predict_layers == 1  # the MTP layer, held with the model
+    mtp = sum(math.prod(x.shape) for x in jax.tree.leaves(model.mtp))
     if name == "deepseek_v32":
-        # DeepSeek-V3's 671B without its MTP layer, plus 61 lightning indexers.
-        assert 671e9 < total < 673e9
+        # DeepSeek-V3's 671B without its MTP layer (685B with it), plus 61 (+ 1) lightning indexers.
+        assert 671e9 < total - mtp < 673e9 and 684e9 < total < 686e9
     else:
-        assert 742e9 < total < 746e9  # "744B" published for GLM-5 (without its MTP layer)
+        assert 742e9 < total - mtp < 746e9  # "744B" published for GLM-5 (without its MTP layer)
 
 
 def test_fixture_config_json_is_the_tiny_config():

@@ -155,11 +155,14 @@ def test_fp8_block_quantized_checkpoint_is_dequantized(tmp_path):
     np.testing.assert_array_equal(model.lm_head.weight[...], fixture_tensors()["lm_head.weight"])  # not quantised
 
 
-def test_mtp_layers_are_skipped_and_tied_embeddings_load(tmp_path):
+def test_mtp_layers_are_skipped_on_request_and_tied_embeddings_load(tmp_path):
     tensors = fixture_tensors()
-    tensors["model.layers.3.eh_proj.weight"] = np.zeros((64, 128), np.float32)  # an MTP layer
-    model = load_hf_checkpoint(make_checkpoint(tmp_path / "mtp", tensors, config_changes={"num_nextn_predict_layers": 1}))
-    assert len(model.layers) == 3
+    tensors["model.layers.3.eh_proj.weight"] = np.zeros((64, 128), np.float32)  # a (partial) MTP layer
+    directory = make_checkpoint(tmp_path / "mtp", tensors, config_changes={"num_nextn_predict_layers": 1})
+    model = load_hf_checkpoint(directory, load_mtp=False)
+    assert len(model.layers) == 3 and model.mtp is None and model.config.num_nextn_predict_layers == 0
+    with pytest.raises(CheckpointError, match=r"lacks .* tensor\(s\) the model needs: .*model.layers.3.enorm.weight"):
+        load_hf_checkpoint(directory)  # loaded by default: the rest of the layer is missing
     with pytest.raises(CheckpointError, match="model.layers.3.eh_proj.weight"):
         load_hf_checkpoint(make_checkpoint(tmp_path / "no_mtp", tensors))
 
@@ -170,6 +173,71 @@ def test_mtp_layers_are_skipped_and_tied_embeddings_load(tmp_path):
     h = jnp.ones((2, 64))
     expected = np.asarray(model.norm(h)) @ np.asarray(model.embed_tokens.weight[...]).T  # on the host: no TF32
     np.testing.assert_allclose(model.logits(h), expected, rtol=1e-5, atol=1e-5)  # f32 sums of 64 terms: near-zero logits differ by ~1e-6
+
+
+# ---- MTP layers (tests/fixtures/*_mtp: a source fixture + one random MTP layer) ---------------
+
+MTP_FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "deepseek_v32_tiny_mtp")
+MTP_FP8_FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "deepseek_v32_tiny_fp8_mtp")
+
+
+def test_mtp_layer_is_decoder_layer_num_layers(reference_params):
+    checkpoint = Checkpoint(MTP_FIXTURE)
+    model = load_hf_checkpoint(MTP_FIXTURE, dtype=jnp.float32)
+    assert model.config.num_nextn_predict_layers == 1 and model.config.mtp_own_head
+    mtp = model.mtp[0]
+    for attribute, name in (
+        (mtp.enorm.weight, "enorm.weight"), (mtp.hnorm.weight, "hnorm.weight"), (mtp.eh_proj.weight, "eh_proj.weight"),
+        (mtp.shared_head.norm.weight, "shared_head.norm.weight"), (mtp.shared_head.head.weight, "shared_head.head.weight"),
+        (mtp.self_attn.indexer.wk.weight, "self_attn.indexer.wk.weight"), (mtp.input_layernorm.weight, "input_layernorm.weight"),
+        (mtp.mlp.gate.e_score_correction_bias, "mlp.gate.e_score_correction_bias"),
+    ):  # fmt: skip
+        np.testing.assert_array_equal(attribute[...], checkpoint.read(f"model.layers.3.{name}"))
+    np.testing.assert_array_equal(mtp.mlp.experts.up_proj[5], checkpoint.read("model.layers.3.mlp.experts.5.up_proj.weight").T)
+    # The main model is the source fixture's, untouched; the MTP layer's embed_tokens copy is not read.
+    loaded = flat_params(model)
+    for path, value in reference_params.items():
+        np.testing.assert_array_equal(loaded[path], value)
+    assert not any("embed_tokens" in ".".join(map(str, p)) for p in loaded if p[0].key == "mtp")
+
+
+def test_fp8_mtp_layer_stays_fp8():
+    checkpoint = Checkpoint(MTP_FP8_FIXTURE)
+    mtp = load_hf_checkpoint(MTP_FP8_FIXTURE, dtype=jnp.float32).mtp[0]
+    assert mtp.self_attn.q_b_proj.weight.dtype == jnp.float8_e4m3fn and mtp.mlp.experts.gate_proj.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(
+        mtp.self_attn.q_b_proj.weight_scale_inv[...], checkpoint.read("model.layers.3.self_attn.q_b_proj.weight_scale_inv")
+    )
+    assert mtp.eh_proj.weight.dtype == jnp.float32  # not quantised (DeepSeek's checkpoints neither)
+    dequantised = load_hf_checkpoint(MTP_FP8_FIXTURE, dtype=jnp.float32, weights_dtype="float32").mtp[0]
+    assert dequantised.self_attn.q_b_proj.weight.dtype == jnp.float32
+
+
+def test_bf16_mtp_checkpoint_and_one_without_its_own_head(tmp_path):
+    tensors = {n: Checkpoint(MTP_FIXTURE).read(n) for n in Checkpoint(MTP_FIXTURE).names()}
+    bf16 = {n: v.astype(ml_dtypes.bfloat16) for n, v in tensors.items()}
+    model = load_hf_checkpoint(make_checkpoint(tmp_path / "bf16", bf16, config_changes={"num_nextn_predict_layers": 1}))
+    assert model.mtp[0].eh_proj.weight.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(model.mtp[0].eh_proj.weight[...], bf16["model.layers.3.eh_proj.weight"])
+    del tensors["model.layers.3.shared_head.head.weight"]  # then the main lm_head serves the MTP layer
+    model = load_hf_checkpoint(make_checkpoint(tmp_path / "headless", tensors, config_changes={"num_nextn_predict_layers": 1}), dtype=jnp.float32)
+    assert not model.config.mtp_own_head and model.mtp[0].shared_head.head is None
+    from models.dsa.mtp import mtp_head
+
+    g, logits = mtp_head(model, model.mtp[0], jnp.ones((2, 64)))
+    np.testing.assert_array_equal(logits, model.lm_head(g))
+    # Stripped of its MTP tensors, a checkpoint whose config still counts one loads without it.
+    plain = {n: v for n, v in tensors.items() if not n.startswith("model.layers.3.")}
+    model = load_hf_checkpoint(make_checkpoint(tmp_path / "stripped", plain, config_changes={"num_nextn_predict_layers": 1}))
+    assert model.mtp is None and model.config.num_nextn_predict_layers == 0
+
+
+def test_orbax_round_trip_with_mtp(tmp_path):
+    model = load_hf_checkpoint(MTP_FIXTURE, dtype=jnp.float32)
+    save_params(tmp_path / "converted", model)
+    restored = restore_params(tmp_path / "converted")
+    assert restored.config == model.config
+    np.testing.assert_array_equal(restored.mtp[0].shared_head.head.weight[...], model.mtp[0].shared_head.head.weight[...])
 
 
 def test_orbax_round_trip(tmp_path, reference_params):

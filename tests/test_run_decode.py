@@ -163,6 +163,15 @@ BAD_INPUT = {
     "implementation": (checkpoint_decoding("ok.npz", "--implementation=cuda"), "--implementation='cuda': use one of ('reference', 'pallas', 'tpu')"),
     "bad_unused_value": (checkpoint_decoding("ok.npz", "--context_length=0"), "--context_length must be an integer >= 2, got 0"),
     "kv_cache_dtype_checkpoint": (checkpoint_decoding("ok.npz", "--kv_cache_dtype=int4"), "--kv_cache_dtype='int4': use one of"),
+    # speculative decoding (SGLang's flags; serving.speculation)
+    "speculative_topk": (checkpoint_decoding("ok.npz", "--speculative_algorithm=EAGLE", "--speculative_eagle_topk=2"),
+                         "--speculative_eagle_topk=2 is not supported: only 1 (chain drafting, no tree)"),
+    "speculative_draft_tokens": (serving("--speculative_algorithm=EAGLE", "--speculative_num_steps=2", "--speculative_num_draft_tokens=4"),
+                                 "--speculative_num_draft_tokens=4 must be speculative_num_steps + 1 (3)"),
+    "speculative_without_algorithm": (serving("--speculative_num_steps=2"), "--speculative_num_steps is not used without --speculative_algorithm=EAGLE"),
+    "speculative_algorithm": (serving("--speculative_algorithm=MEDUSA"), "--speculative_algorithm 'MEDUSA' is not supported"),
+    "speculative_without_mtp": (checkpoint_decoding("ok.npz", "--speculative_algorithm=EAGLE"), "needs the model's MTP layer"),
+    "speculative_pd": (serving("--speculative_algorithm=EAGLE", "--disaggregation_mode=decode"), "does not run with --disaggregation_mode"),
 }
 
 

@@ -17,6 +17,7 @@ class DecodeOutput(NamedTuple):
     tokens: np.ndarray  # i32[B, N]: greedy tokens
     logits: np.ndarray  # f32[B, N, V]: the logits each token was chosen from
     num_misses: np.ndarray | None  # rows copied host -> device per decode step (None without HiSparse)
+    num_accepted: np.ndarray | None = None  # speculative decoding: i32[S, B] drafts accepted per step (DSA)
 
 
 @dataclasses.dataclass(frozen=True)

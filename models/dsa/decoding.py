@@ -74,6 +74,8 @@ def create_cache(
     mesh: Mesh | None = None,
     kv_cache_dtype: str = "auto",
     host_memory_kind: str | None = None,
+    draft_layers: int = 0,
+    speculative_slots: int = 0,
 ) -> DecodeCache:
     """An empty cache for `num_requests` slots of up to `max_context` tokens; KV rows in `dtype`.
 
@@ -84,11 +86,17 @@ def create_cache(
     rows (tests pass NaN so any stray read shows). With a mesh every request-indexed array is
     split over its "dp" axis (hisparse_jax.sharding). host_memory_kind: where the HiSparse host
     pool lives (None: pinned_host; memory.host_pool_kind for the kernels that will run).
+
+    Speculative decoding (models.dsa.speculative): draft_layers MTP layers get a KV layer each
+    after the model's (kv layer num_layers + i, sharing the request's host pages) and an indexer
+    key row each after the full layers' (J + i); speculative_slots: the HiSparse state's
+    (hisparse_jax.speculative; no offload needs none).
     """
     layout = KVRowLayout.for_kv_cache_dtype(config.kv_lora_rank, config.qk_rope_head_dim, dtype, kv_cache_dtype)
+    num_layers = config.num_layers + draft_layers
     if hisparse is None:
         kv = FullKVState.create(
-            num_layers=config.num_layers, num_requests=num_requests, max_context=max_context,
+            num_layers=num_layers, num_requests=num_requests, max_context=max_context,
             layout=layout, fill_value=fill_value, mesh=mesh,
         )  # fmt: skip
     else:
@@ -98,13 +106,14 @@ def create_cache(
             )
         # Dynamic residency needs device rows that pass between requests: a paged pool.
         state_class = HiSparseState if hisparse.dynamic_residency is None else PagedHiSparseState
+        slots = dict(speculative_slots=speculative_slots) if speculative_slots else {}
         kv = state_class.create(
-            num_layers=config.num_layers, num_requests=num_requests, max_context=max_context, config=hisparse,
+            num_layers=num_layers, num_requests=num_requests, max_context=max_context, config=hisparse,
             layout=layout, num_host_pages=num_host_pages, page_size=page_size, fill_value=fill_value, mesh=mesh,
-            host_memory_kind=host_memory_kind,
+            host_memory_kind=host_memory_kind, **slots,
         )  # fmt: skip
     placement = None if mesh is None else NamedSharding(mesh, P(None, dp_sharding.REQUEST_AXIS))
-    J, key_dtype = len(config.full_indexer_layers), index_key_dtype(kv_cache_dtype, dtype)
+    J, key_dtype = len(config.full_indexer_layers) + draft_layers, index_key_dtype(kv_cache_dtype, dtype)
     index_keys = memory.allocate(
         (J, num_requests, max_context, config.index_head_dim), key_dtype, fill_value, memory.DEVICE, placement=placement
     )  # fmt: skip

@@ -26,13 +26,16 @@ class DeviceFootprint:
     key_bytes: int  # one indexer key of one layer: I x element size, + a 4 B scale with fp8 keys
     buffer_size: int | None  # HiSparse's B; None: the baseline, every row on the device
     staged_rows: int = 0  # rows a request's shared-layer prefetch holds in flight at most (HiSparse)
+    speculative_slots: int = 0  # HiSparse: each layer's slots for a speculative step's tokens (M)
 
     def request_bytes(self, num_tokens: int) -> int:
         keys = self.num_index_layers * num_tokens * self.key_bytes
         if self.buffer_size is None:
             return self.num_layers * num_tokens * self.row_bytes + keys
-        # + the newest-token slot per layer, + the prefetched rows waiting for their shared layers
-        return (self.num_layers * (self.buffer_size + 1) + self.staged_rows) * self.row_bytes + keys
+        # + the newest-token slot (and speculative slots) per layer, + the prefetched rows
+        # waiting for their shared layers
+        slots = self.buffer_size + 1 + self.speculative_slots
+        return (self.num_layers * slots + self.staged_rows) * self.row_bytes + keys
 
     def host_request_bytes(self, num_tokens: int) -> int:
         """Host pool bytes one request's KV rows take (HiSparse: every row of every layer is kept
@@ -45,20 +48,25 @@ class DeviceFootprint:
 
     @classmethod
     def of(
-        cls, config: DSAModelConfig, dtype, hisparse: HiSparseConfig | None, kv_cache_dtype: str = "auto", shared_prefetch: str = "off"
+        cls, config: DSAModelConfig, dtype, hisparse: HiSparseConfig | None, kv_cache_dtype: str = "auto", shared_prefetch: str = "off",
+        speculative=None,
     ) -> "DeviceFootprint":
         """The footprint of a model whose params are `dtype` with caches in `kv_cache_dtype`
         (models.dsa.decoding.create_cache's: "auto" is `dtype`), decoding with `shared_prefetch`
-        (a mode other than "off" stages K rows per shared layer after each anchor)."""
+        (a mode other than "off" stages K rows per shared layer after each anchor). speculative (a
+        SpeculativeConfig): the MTP layer's KV and keys count as one more layer, and HiSparse
+        buffers have its speculative slots."""
         staged = 0
         if hisparse is not None and shared_prefetch != "off":
             staged = hisparse.top_k * max((len(config.shared_layers_after(l)) for l in config.full_indexer_layers), default=0)
         layout = KVRowLayout.for_kv_cache_dtype(config.kv_lora_rank, config.qk_rope_head_dim, dtype, kv_cache_dtype)
+        draft = 0 if speculative is None else 1
         return cls(
-            num_layers=config.num_layers,
-            num_index_layers=len(config.full_indexer_layers),
+            num_layers=config.num_layers + draft,
+            num_index_layers=len(config.full_indexer_layers) + draft,
             row_bytes=layout.bytes_per_row,
             key_bytes=index_key_bytes(config.index_head_dim, index_key_dtype(kv_cache_dtype, dtype)),
             buffer_size=None if hisparse is None else hisparse.device_buffer_size,
             staged_rows=staged,
+            speculative_slots=0 if speculative is None or hisparse is None else speculative.tokens_per_step,
         )

@@ -1,10 +1,12 @@
 """Hugging Face checkpoints of the DSA family -> DSAForCausalLM. The safetensors reader, the
 loading loop and FP8 block dequantisation are models.common.checkpoint's; here is what is the
-family's own: which checkpoint tensor fills which parameter, and what may be left unused.
+family's own: which checkpoint tensor fills which parameter (MTP layer i, the model's
+`mtp.i.*`, is the checkpoint's `model.layers.{num_layers + i}.*`), and what may be left unused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -29,23 +31,38 @@ from models.common.checkpoint import (
 )
 from models.dsa.model import DSAForCausalLM
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)(_scale_inv)?$")
+_EXPERT = re.compile(r"^(model\.(?:layers|mtp)\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)(_scale_inv)?$")
+_MTP_PARAM = re.compile(r"^model\.mtp\.(\d+)\.")  # the model's path of MTP layer i (DSAForCausalLM.mtp)
 
 
 def _sources(abstract_state: dict, config: DSAModelConfig) -> list[_ParamSource]:
-    return param_sources(abstract_state, config.n_routed_experts, head="lm_head", expert_pattern=_EXPERT)
+    sources = param_sources(abstract_state, config.n_routed_experts, head="lm_head", expert_pattern=_EXPERT)
+    # MTP layer i is decoder layer num_layers + i in the checkpoint (models.dsa.mtp).
+    to_layer = lambda name: _MTP_PARAM.sub(lambda m: f"model.layers.{config.num_layers + int(m.group(1))}.", name)  # noqa: E731
+    return [dataclasses.replace(s, hf_names=tuple(to_layer(n) for n in s.hf_names)) for s in sources]
 
 
-def _ignorable(name: str, config: DSAModelConfig) -> bool:
-    """Checkpoint tensors the model has no place for, as transformers ignores them too."""
+def _mtp_layer_of(name: str, config: DSAModelConfig, mtp_in_checkpoint: int) -> int | None:
+    """The MTP layer (0, 1, ...) a checkpoint tensor belongs to, None for any other tensor."""
     layer = re.match(r"^model\.layers\.(\d+)\.", name)
-    # MTP (next-token prediction) layers follow the model's layers; decoding does not use them.
-    if layer and config.num_layers <= int(layer.group(1)) < config.num_layers + config.num_nextn_predict_layers:
-        return True
+    if layer and config.num_layers <= int(layer.group(1)) < config.num_layers + mtp_in_checkpoint:
+        return int(layer.group(1)) - config.num_layers
+    return None
+
+
+def _ignorable(name: str, config: DSAModelConfig, mtp_in_checkpoint: int = 0) -> bool:
+    """Checkpoint tensors the model has no place for, as transformers ignores them too: MTP layers
+    the model does not hold (load_hf_checkpoint(load_mtp=False)) and, in those it holds, the
+    copy of the embeddings (the main model's are used, as SGLang does)."""
+    mtp = _mtp_layer_of(name, config, mtp_in_checkpoint)
+    if mtp is not None:
+        return mtp >= config.num_nextn_predict_layers or name.endswith(".embed_tokens.weight")
     return config.tie_word_embeddings and name == "lm_head.weight"
 
 
-def _check(checkpoint: Checkpoint, sources: list[_ParamSource], config: DSAModelConfig, block: tuple[int, int] | None):
+def _check(
+    checkpoint: Checkpoint, sources: list[_ParamSource], config: DSAModelConfig, block: tuple[int, int] | None, mtp_in_checkpoint: int = 0
+):
     present = checkpoint.names()
     expected = {n for s in sources for n in s.hf_names}
     scales = {n + _SCALE_SUFFIX for n in expected if n + _SCALE_SUFFIX in present}
@@ -53,7 +70,7 @@ def _check(checkpoint: Checkpoint, sources: list[_ParamSource], config: DSAModel
     expected -= derived
     if missing := expected - present:
         raise CheckpointError(f"checkpoint {checkpoint.directory} lacks {len(missing)} tensor(s) the model needs: {_names(missing)}")
-    if unexpected := {n for n in present - expected - scales if not _ignorable(n, config)}:
+    if unexpected := {n for n in present - expected - scales if not _ignorable(n, config, mtp_in_checkpoint)}:
         raise CheckpointError(
             f"checkpoint {checkpoint.directory} holds {len(unexpected)} tensor(s) this {config.model_type} config has no"
             f" place for (wrong config.json?): {_names(unexpected)}"
@@ -97,8 +114,27 @@ def weight_block(weights_dtype: str, checkpoint_block: tuple[int, int] | None, d
     )
 
 
+def _mtp_layers(directory, config: DSAModelConfig, load_mtp: bool) -> tuple[int, bool]:
+    """(MTP layers the model will hold, whether they have their own shared_head.head): the
+    checkpoint's num_nextn_predict_layers when asked to and the checkpoint holds them (a
+    conversion may strip them: then 0, and their absence is no error), else 0."""
+    count = config.num_nextn_predict_layers
+    if not load_mtp or count == 0:
+        return 0, True
+    names = Checkpoint(directory).names()  # headers only
+    first = f"model.layers.{config.num_layers}."
+    if not any(n.startswith(first) for n in names):
+        return 0, True
+    return count, f"{first}shared_head.head.weight" in names
+
+
 def load_hf_checkpoint(
-    directory: str | os.PathLike, *, dtype=jnp.bfloat16, device: jax.Device | None = None, weights_dtype: str = "auto"
+    directory: str | os.PathLike,
+    *,
+    dtype=jnp.bfloat16,
+    device: jax.Device | None = None,
+    weights_dtype: str = "auto",
+    load_mtp: bool = True,
 ) -> DSAForCausalLM:
     """A Hugging Face checkpoint directory -> DSAForCausalLM with params in `dtype`.
 
@@ -107,10 +143,25 @@ def load_hf_checkpoint(
     "fp8_e4m3" makes them block FP8 whatever the checkpoint holds, `dtype`'s name dequantises
     everything at load. The router and the indexer's weights_proj stay float32 whatever `dtype`,
     as in transformers.
+
+    load_mtp: the checkpoint's MTP layers (num_nextn_predict_layers, decoder layers num_layers +
+    i) become model.mtp (models.dsa.mtp), in the same formats as the other layers; False (or a
+    checkpoint without them) skips them and the model's config says 0.
     """
     weight_block(weights_dtype, None, dtype)  # a ValueError for an unknown name, before any file is read
+    in_checkpoint = {}  # the config.json's MTP layer count, for _check (the model may hold fewer)
+
+    def configure(config: DSAModelConfig, block):
+        in_checkpoint["mtp"] = config.num_nextn_predict_layers
+        mtp, own_head = _mtp_layers(directory, config, load_mtp)
+        return config.replace(
+            weight_block_size=weight_block(weights_dtype, block, dtype), num_nextn_predict_layers=mtp, mtp_own_head=own_head
+        )
+
+    def check(checkpoint, sources, config, block):
+        _check(checkpoint, sources, config, block, in_checkpoint["mtp"])
+
     return load_model_from_checkpoint(
-        directory, config_class=DSAModelConfig, abstract_model=abstract_model, sources=_sources, check=_check,
-        dtype=dtype, device=device,
-        configure=lambda config, block: config.replace(weight_block_size=weight_block(weights_dtype, block, dtype)),
+        directory, config_class=DSAModelConfig, abstract_model=abstract_model, sources=_sources, check=check,
+        dtype=dtype, device=device, configure=configure,
     )  # fmt: skip

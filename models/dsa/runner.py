@@ -54,6 +54,7 @@ from models.dsa.decoding import (
 from models.dsa.footprint import DeviceFootprint
 from models.dsa.indexer import index_key_dtype
 from models.dsa.model import DecoderLayer, DSAForCausalLM
+from models.dsa.speculative import DraftState, SpeculativeStepOutput, prefill_draft, speculative_step
 
 
 class PrefilledKV(NamedTuple):
@@ -92,6 +93,30 @@ def _greedy_decode_step(step, treedef, params, cache, tokens, positions, topk=No
     return cache, logits, telemetry, step_result(logits, telemetry, cache.kv.num_requests)
 
 
+def _prefill_draft_layer(graphdef, params, h_last, tokens, first_token, prompt_len, *, chunk, key_dtype):
+    return prefill_draft(nnx.merge(graphdef, params), h_last, tokens, first_token, prompt_len, chunk=chunk, key_dtype=key_dtype)
+
+
+class SpeculativeResult(NamedTuple):
+    """What the engine reads back from a speculative step: a few bytes per slot."""
+
+    tokens: jax.Array  # i32[b, Q]: the target's greedy tokens; the first num_accepted + 1 are the step's output
+    num_accepted: jax.Array  # i32[b]: drafts accepted per slot
+    hits: jax.Array  # i32[]: summed over layers (the MTP layer's too) and slots
+    misses: jax.Array  # i32[]
+
+
+def _speculative_step(step, treedef, params, cache, carry, committed, draft_override):
+    """The jitted speculative step over slots 0 .. b - 1 (b = committed's length) with the carry
+    of all R slots (DraftState of R rows: the step reads and rewrites its first b, so one carry
+    serves every batch bucket) -> (cache, SpeculativeStepOutput (carry: all R), SpeculativeResult)."""
+    b = committed.shape[0]
+    cache, out = step(unflat_params(treedef, params), cache, jax.tree.map(lambda x: x[:b], carry), committed, draft_override)
+    carry = jax.tree.map(lambda whole, new: whole.at[:b].set(new), carry, out.carry)
+    result = SpeculativeResult(out.tokens, out.num_accepted, jnp.sum(out.num_hits, dtype=jnp.int32), jnp.sum(out.num_misses, dtype=jnp.int32))
+    return cache, out._replace(carry=carry), result
+
+
 def resolved_shared_prefetch(parallel, implementation: str | None, shared_prefetch: str | None = None) -> str:
     """The prefetch mode a ModelRunner built with these arguments decodes with: "off" over a
     mesh (the layers run per group in shard_map), else attention_layer.shared_prefetch_mode's."""
@@ -116,12 +141,22 @@ class ModelRunner:
         parallel: dp_sharding.ParallelConfig | None = None,
         kv_cache_dtype: str = "auto",
         shared_prefetch: str | None = None,
+        speculative=None,
     ):
         """parallel: tensor / data-parallel-attention layout (hisparse_jax.sharding); None or a
         single-device config runs on the default device. kv_cache_dtype: the caches' format
         (create_cache; "fp8_e4m3": fp8 rows and indexer keys), also what prefill_kv hands over.
         shared_prefetch: decode_step's, resolved now (attention_layer.shared_prefetch_mode; "off"
-        over a mesh), so the engine can count the rows it stages (DeviceFootprint)."""
+        over a mesh), so the engine can count the rows it stages (DeviceFootprint).
+        speculative: a configs.speculative.SpeculativeConfig to decode with the model's MTP layer
+        (models.dsa.speculative; speculative_step): caches then hold the MTP layer's KV too and
+        prefill ends with it. One device only."""
+        if speculative is not None:
+            if model.mtp is None:
+                raise ValueError("speculative decoding needs the model's MTP layer (num_nextn_predict_layers = 0 here)")
+            if parallel is not None and not parallel.is_single_device:
+                raise ValueError("speculative decoding runs on one device (no tensor / data-parallel mesh) yet")
+        self.speculative = speculative
         self.config = model.config
         self.dtype = model.dtype
         self.kv_cache_dtype = kv_cache_dtype
@@ -145,6 +180,9 @@ class ModelRunner:
         self._prefill_layer = jax.jit(
             functools.partial(_prefill_layer, matmul=None if self.mesh is None else "reference"), static_argnames=("graphdef", "chunk", "key_dtype")
         )
+        self._prefill_draft = jax.jit(
+            functools.partial(_prefill_draft_layer, self.graphdef), static_argnames=("chunk", "key_dtype")
+        )  # the MTP layer over a prompt (speculative runners)
         self._embed = jax.jit(lambda params, tokens: nnx.merge(self.graphdef, params).embed_tokens(tokens))
         self._logits = jax.jit(lambda params, h: nnx.merge(self.graphdef, params).logits(h))
         self._cache_fns = {}  # per KV state type: jits whose outputs keep the host pool pinned
@@ -155,7 +193,7 @@ class ModelRunner:
         for a hisparse config this model cannot run (top_k other than its index_topk)."""
         if hisparse is not None and hisparse.top_k != self.config.index_topk:
             raise ValueError(f"hisparse_config top_k ({hisparse.top_k}) must equal the model's index_topk ({self.config.index_topk})")
-        return DeviceFootprint.of(self.config, self.dtype, hisparse, self.kv_cache_dtype, self.shared_prefetch)
+        return DeviceFootprint.of(self.config, self.dtype, hisparse, self.kv_cache_dtype, self.shared_prefetch, self.speculative)
 
     def _put(self, x, dtype, per_request: bool):
         """Host values in: split over the requests' mesh axis (per_request) or replicated."""
@@ -186,6 +224,15 @@ class ModelRunner:
                     ),
                 ),
             )
+            if self.speculative is not None:
+                step = functools.partial(
+                    speculative_step, self.graphdef, num_steps=self.speculative.num_steps, implementation=self.implementation
+                )
+                device = memory.sharding(memory.DEVICE)
+                self._cache_fns[kind]["speculative"] = jax.jit(
+                    functools.partial(_speculative_step, step, self._param_treedef), donate_argnums=1,
+                    out_shardings=(cache_shardings(cache), device, device),
+                )  # fmt: skip
         return self._cache_fns[kind]
 
     def _result_shardings(self) -> StepResult:
@@ -220,6 +267,8 @@ class ModelRunner:
         """create_cache for this model, in the runner's kv_cache_dtype unless kwargs name another."""
         kwargs.setdefault("kv_cache_dtype", self.kv_cache_dtype)
         kwargs.setdefault("host_memory_kind", self.host_memory_kind)
+        if self.speculative is not None:  # the MTP layer's KV and the speculative slots
+            kwargs.update(draft_layers=1, speculative_slots=self.speculative.tokens_per_step)
         return create_cache(
             self.config, num_requests=num_requests, max_context=max_context, dtype=self.dtype, hisparse=hisparse,
             mesh=self.mesh, **kwargs,
@@ -267,6 +316,8 @@ class ModelRunner:
         padded prompt length (rows past the prompt are padding), stored in the runner's
         kv_cache_dtype layout (fp8_e4m3: the 656 B rows, quantised here, so the hand-over moves
         what the decode side stores); keys in that kv_cache_dtype too (fp8: with their scales)."""
+        if self.speculative is not None:
+            raise ValueError("speculative decoding does not run with PD disaggregation yet")
         tokens = np.asarray(tokens, np.int32)
         rows, keys, scales = [], [], []
         for _, out in self._prefill_layers(tokens, self._key_dtype):  # keeps rows and keys, not each layer's activations
@@ -309,6 +360,31 @@ class ModelRunner:
         pages = None if host_pages is None else self._put(host_pages, jnp.int32, per_request=False)
         kv = fns["begin"](cache.kv, jnp.int32(request), jnp.int32(prompt_len), pages)
         return kv, (cache.index_keys, cache.index_key_scales), fns
+
+    def speculative_step(self, cache: DecodeCache, carry: DraftState, committed, draft_override=None) -> tuple[DecodeCache, SpeculativeStepOutput]:
+        """models.dsa.speculative.speculative_step jitted with the cache donated: carry (DraftState
+        of R slots, or of b), committed i32[b] (seq_lens of slots 0 .. b - 1, -1 inactive),
+        draft_override None or i32[b, C] -> (cache, SpeculativeStepOutput, its carry shaped as
+        given). One compile per b."""
+        cache, out, _ = self._speculative(cache, carry, committed, draft_override)
+        return cache, out
+
+    def speculative_greedy_step(self, cache: DecodeCache, carry: DraftState, committed) -> tuple[DecodeCache, SpeculativeResult, DraftState]:
+        """speculative_step as the engine runs it -> (cache, SpeculativeResult: what the host reads,
+        the carry of all R slots, on the device)."""
+        cache, out, result = self._speculative(cache, carry, committed, None)
+        return cache, result, out.carry
+
+    def empty_draft_state(self, num_slots: int) -> DraftState:
+        """A DraftState of `num_slots` free slots (zeros), where each request's prefill puts its own."""
+        D = self.config.hidden_size
+        return DraftState(jnp.zeros(num_slots, jnp.int32), jnp.zeros(num_slots, jnp.int32), jnp.zeros((num_slots, D), self.dtype))
+
+    def _speculative(self, cache, carry, committed, draft_override):
+        if self.speculative is None:
+            raise ValueError("this runner was built without speculative=SpeculativeConfig(...)")
+        override = None if draft_override is None else jnp.asarray(draft_override, jnp.int32)
+        return self._jitted(cache)["speculative"](self._param_leaves, cache, carry, jnp.asarray(committed, jnp.int32), override)
 
     def move_request(self, cache: DecodeCache, source: int, target: int) -> DecodeCache:
         """move_request jitted with the cache donated (one compile for every pair of slots)."""
@@ -353,6 +429,11 @@ class LayerwisePrefill(PrefillJob):
     hidden state between layers stays on the device. `slot` may change between advances (the
     engine's compaction moves the request; its stored rows and keys move with it). After the
     last layer, `logits` (f32[V], the last prompt token's) picks the first new token.
+
+    A speculative runner's prefill has one more advance, the MTP layer over the prompt (its KV
+    and keys stored like a layer's; models.dsa.speculative.prefill_draft), after which `draft`
+    holds the request's DraftState (bonus i32[], draft i32[], hidden [D]): the first token
+    (argmax of `logits`), the MTP layer's proposal after it, and the hidden that proposed it.
     """
 
     def __init__(self, runner: ModelRunner, cache: DecodeCache, slot: int, tokens, host_pages):
@@ -364,16 +445,20 @@ class LayerwisePrefill(PrefillJob):
         self.padded_len = padded_prompt_length(T, runner.prefill_chunk)[0]  # tokens each layer computes
         self.layers_done = 0
         self.logits = None
+        self.draft = None  # DraftState of this request once a speculative prefill is done
+        self._last_hidden = None  # [Tp, D]: the last layer's output, for the MTP layer
         self._layers = runner._prefill_layers(self.tokens, cache.index_keys.dtype)
 
     @property
     def num_layers(self) -> int:
-        return self.runner.config.num_layers
+        return self.runner.config.num_layers + (self.runner.speculative is not None)
 
     def advance(self, cache: DecodeCache) -> DecodeCache:
         """Computes and stores the next layer -> the cache (donated: pass the latest one)."""
         if self.done:
             raise RuntimeError("this prefill is done")
+        if self.layers_done == self.runner.config.num_layers:  # a speculative runner's MTP layer
+            return self._advance_draft(cache)
         l, out = next(self._layers)
         fns, slot, T = self._fns, jnp.int32(self.slot), jnp.int32(self.prompt_len)
         kv = fns["store"](cache.kv, jnp.int32(l), slot, jnp.int32(0), out.rows, T)
@@ -382,8 +467,29 @@ class LayerwisePrefill(PrefillJob):
             j = self.runner.config.indexer_cache_index(l)
             keys = fns["store_keys"](keys, jnp.int32(j), slot, out.index_keys, out.index_key_scales, T)
         self.layers_done += 1
-        if self.done:
+        if self.layers_done == self.runner.config.num_layers:  # the model's last layer
             self.logits = self.runner._last_logits(out, self.prompt_len)
             self._layers.close()
+            if self.runner.speculative is not None:
+                self._last_hidden = out.hidden
         self.cache = None  # only the latest cache is valid: the caller threads it
+        return DecodeCache(kv, *keys)
+
+    def _advance_draft(self, cache: DecodeCache) -> DecodeCache:
+        """The MTP layer over the prompt, stored as kv layer L and key row J."""
+        runner, fns = self.runner, self._fns
+        first = jnp.argmax(self.logits).astype(jnp.int32)  # x_T, as the caller will choose it
+        tokens = runner._put(np.pad(self.tokens, (0, self.padded_len - self.prompt_len)), jnp.int32, per_request=False)
+        chunk = padded_prompt_length(self.prompt_len, runner.prefill_chunk)[1]
+        out, draft, hidden = runner._prefill_draft(
+            runner.params, self._last_hidden, tokens, first, jnp.int32(self.prompt_len), chunk=chunk,
+            key_dtype=np.dtype(cache.index_keys.dtype),
+        )  # fmt: skip
+        slot, T, config = jnp.int32(self.slot), jnp.int32(self.prompt_len), runner.config
+        kv = fns["store"](cache.kv, jnp.int32(config.num_layers), slot, jnp.int32(0), out.rows, T)
+        keys = fns["store_keys"]((cache.index_keys, cache.index_key_scales), jnp.int32(len(config.full_indexer_layers)), slot,
+                                 out.index_keys, out.index_key_scales, T)  # fmt: skip
+        self.draft = DraftState(first, draft, hidden)
+        self.layers_done += 1
+        self._last_hidden = None
         return DecodeCache(kv, *keys)
