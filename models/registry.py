@@ -142,6 +142,7 @@ def decode_checkpoint(
     parallel=None,
     implementation: str | None = None,
     speculative=None,
+    weights_dtype: str = "auto",
 ) -> DecodeOutput:
     """Loads a Hugging Face checkpoint, greedy-decodes the prompts of an .npz (`input_ids`
     int32 [B, T]) and writes `tokens` int32 [B, N] and `logits` float32 [B, N, V] to output_path
@@ -180,6 +181,8 @@ def decode_checkpoint(
         if family.name != "dsa" or config.num_nextn_predict_layers < 1:
             raise InputError(f"speculative decoding needs a DSA model with an MTP layer; {checkpoint} has none")
         options = dict(options, speculative=speculative)
+    if weights_dtype != "auto":  # DSA checkpoints: block FP8 or dequantised (models.dsa.loading)
+        options = dict(options, weights_dtype=weights_dtype)
     out = family.decode(checkpoint, prompts, max_new_tokens, dtype=dtype, hisparse=hisparse, kv_cache_dtype=kv_cache_dtype, **options)
     logging.info("decoded %s: %s (%s family), params %s", checkpoint, config.model_type, family.name, np.dtype(dtype).name)
     partial = f"{output_path}.partial-{os.getpid()}"

@@ -3,7 +3,7 @@ its devices and before anything is built: a full-size config on a small device i
 one line naming the sizes, instead of minutes of building and an out-of-memory traceback.
 
     check_fits("--model=deepseek_v32", config, jnp.bfloat16, kv_device_bytes=2e9, kv_host_bytes=8e9)
-    # UsageError: --model=deepseek_v32 needs ~1.3 TB of weights in bfloat16 + 2 GB of KV; this device has 24 GB
+    # UsageError: --model=deepseek_v32 needs ~1.4 TB of weights in bfloat16 + 2 GB of KV; this device has 24 GB
 
 Sizes: the weights from the family's abstract model (nnx.eval_shape: shapes only, no memory),
 the KV from the runner's footprints (the caller's count). Memory: the device's `bytes_limit`

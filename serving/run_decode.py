@@ -55,6 +55,11 @@ _KV_BUDGET_GB = flags.DEFINE_float(
     " --max_running_requests HiSparse requests of --context_length need.",
 )  # fmt: skip
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Param and KV dtype: bfloat16 or float32.")
+_WEIGHTS_DTYPE = flags.DEFINE_string(
+    "weights_dtype", "auto",
+    "Checkpoint decoding (DSA models): auto keeps an FP8 checkpoint's linear layers and experts block-FP8 on the device,"
+    " fp8_e4m3 makes them so whatever the checkpoint holds (128 x 128 blocks), --dtype's name dequantises at load.",
+)  # fmt: skip
 _KV_CACHE_DTYPE = flags.DEFINE_string(
     "kv_cache_dtype", "auto",
     "As SGLang's --kv-cache-dtype: auto (= --dtype), bfloat16, or fp8_e4m3 (fp8 KV rows and fp8 indexer keys with a"
@@ -169,7 +174,7 @@ def main(argv):
                 dtype=_DTYPE.value, enable_hisparse=_ENABLE_HISPARSE.value, hisparse_config=_HISPARSE_CONFIG.value,
                 kv_cache_dtype=_KV_CACHE_DTYPE.value, tp_size=_TP_SIZE.value, dp_size=_DP_SIZE.value,
                 enable_dp_attention=_ENABLE_DP_ATTENTION.value, implementation=_IMPLEMENTATION.value,
-                speculative=speculative,
+                speculative=speculative, weights_dtype=_WEIGHTS_DTYPE.value,
             )  # fmt: skip
             _use_host_devices(job.num_devices)
         else:

@@ -71,9 +71,10 @@ SERVING = "serving (no --prompts/--output)"
 CHECKPOINT_DECODING = "checkpoint decoding (--prompts/--output)"
 CHECKPOINT_DECODING_FLAGS = frozenset(
     {"checkpoint", "prompts", "output", "max_new_tokens", "dtype", "kv_cache_dtype", "enable_hisparse", "hisparse_config",
-     "tp_size", "dp_size", "enable_dp_attention", "implementation"}
+     "tp_size", "dp_size", "enable_dp_attention", "implementation", "weights_dtype"}
 ) | frozenset(speculation.FLAGS)  # fmt: skip
-CHECKPOINT_DECODING_ONLY = frozenset({"prompts", "output", "max_new_tokens"})
+CHECKPOINT_DECODING_ONLY = frozenset({"prompts", "output", "max_new_tokens", "weights_dtype"})
+WEIGHTS_DTYPE_NAMES = ("auto", "bfloat16", "float32", "fp8_e4m3")  # models.common.fp8.WEIGHTS_DTYPES
 
 
 @contextlib.contextmanager
@@ -168,6 +169,7 @@ _RULES = {
     "model": _model,
     "dtype": _one_of(DTYPE_NAMES),
     "kv_cache_dtype": _one_of(KV_CACHE_DTYPE_NAMES),
+    "weights_dtype": _one_of(WEIGHTS_DTYPE_NAMES),
     "implementation": _one_of(IMPLEMENTATIONS),
     "disaggregation_mode": _one_of(DISAGGREGATION_MODES),
     **dict.fromkeys(
@@ -354,6 +356,7 @@ class CheckpointDecode:
     enable_dp_attention: bool = False
     implementation: str | None = None  # the kernels (None: the backend's default); DSA checkpoints only
     speculative: Any = None  # a configs.speculative.SpeculativeConfig (serving.speculation), None: plain greedy
+    weights_dtype: str = "auto"  # DSA: models.dsa.loading.load_hf_checkpoint's (block FP8 or dequantised)
 
     @property
     def num_devices(self) -> int:
@@ -375,6 +378,7 @@ def check_checkpoint_decode(
     enable_dp_attention: bool = False,
     implementation: str | None = None,
     speculative=None,
+    weights_dtype: str = "auto",
 ) -> CheckpointDecode:
     """Everything checkpoint decoding reads, checked against the checkpoint's config.json before
     any weight is loaded (or JAX started). A mesh (tp_size, dp_size, enable_dp_attention, as
@@ -385,7 +389,8 @@ def check_checkpoint_decode(
     if prompts is None or output is None:
         raise UsageError("checkpoint decoding needs --prompts=FILE.npz and --output=FILE.npz (or drop them to serve a random workload)")
     checked = (("max_new_tokens", max_new_tokens), ("dtype", dtype), ("kv_cache_dtype", kv_cache_dtype), ("hisparse_config", hisparse_config),
-               ("tp_size", tp_size), ("dp_size", dp_size), ("enable_dp_attention", enable_dp_attention), ("implementation", implementation))  # fmt: skip
+               ("tp_size", tp_size), ("dp_size", dp_size), ("enable_dp_attention", enable_dp_attention), ("implementation", implementation),
+               ("weights_dtype", weights_dtype))  # fmt: skip
     for name, value in checked:
         check_flag(name, value)
     with flag_errors("--output"):
@@ -393,7 +398,11 @@ def check_checkpoint_decode(
     config = checkpoint_config(checkpoint, decoding=True)
     with flag_errors("--kv_cache_dtype"):
         registry.check_kv_cache_dtype(kv_cache_dtype, config, dtype)
-    with flag_errors("--prompts"):
+    if weights_dtype not in ("auto", dtype) and (registry.family_of_config(config).name != "dsa" or weights_dtype != "fp8_e4m3"):
+        raise UsageError(
+            f"--weights_dtype={weights_dtype}: DSA checkpoints take auto, fp8_e4m3 or --dtype's name ({dtype});"
+            " DeepSeek-V4 and MiniMax-M3 checkpoints load in --dtype (auto)"
+        )
         ids = inputs.check_prompts(inputs.read_prompts(prompts), config, name=f"{prompts} input_ids")
     with flag_errors("--max_new_tokens"):
         inputs.check_context(ids.shape[1], max_new_tokens, config)
@@ -412,5 +421,5 @@ def check_checkpoint_decode(
         raise UsageError("--speculative_algorithm: speculative decoding runs on one device yet; drop --tp_size/--dp_size/--enable_dp_attention")
     return CheckpointDecode(
         checkpoint, prompts, output, max_new_tokens, dtype, hisparse, config, ids.shape, kv_cache_dtype, tp_size, dp_size,
-        enable_dp_attention, implementation, speculative,
+        enable_dp_attention, implementation, speculative, weights_dtype,
     )  # fmt: skip

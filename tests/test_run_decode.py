@@ -117,7 +117,7 @@ BAD_INPUT = {
                      "--hisparse_config: dynamic_residency is not supported by DeepSeek-V4 serving yet"),
     "tp_residency": (serving("--tp_size=2", '--hisparse_config={"dynamic_residency": true}'),
                      "--hisparse_config: dynamic_residency runs on one device only yet"),
-    "full_size": (serving("--model=deepseek_v32"), "--model=deepseek_v32 needs ~1.3 TB of weights in bfloat16 +"),  # no machine here has 1.3 TB
+    "full_size": (serving("--model=deepseek_v32"), "--model=deepseek_v32 needs ~1.4 TB of weights in bfloat16 +"),  # no machine here has 1.3 TB
     "pd_decode_unused": (serving("--disaggregation_mode=decode", "--num_prompts=3", "--compare_baseline"),
                          "--compare_baseline, --num_prompts are not used by a PD decode instance (--disaggregation_mode=decode)"),
     "pd_decode_sweep": (serving("--disaggregation_mode=decode", "--device_buffer_sweep=16"), "--device_buffer_sweep is not used by a PD decode instance"),
@@ -163,6 +163,10 @@ BAD_INPUT = {
     "implementation": (checkpoint_decoding("ok.npz", "--implementation=cuda"), "--implementation='cuda': use one of ('reference', 'pallas', 'tpu')"),
     "bad_unused_value": (checkpoint_decoding("ok.npz", "--context_length=0"), "--context_length must be an integer >= 2, got 0"),
     "kv_cache_dtype_checkpoint": (checkpoint_decoding("ok.npz", "--kv_cache_dtype=int4"), "--kv_cache_dtype='int4': use one of"),
+    "weights_dtype": (checkpoint_decoding("ok.npz", "--weights_dtype=int4"), "--weights_dtype='int4': use one of"),
+    "weights_dtype_mismatch": (checkpoint_decoding("ok.npz", "--weights_dtype=float32"),
+                               "--weights_dtype=float32: DSA checkpoints take auto, fp8_e4m3 or --dtype's name (bfloat16)"),
+    "weights_dtype_serving": (serving("--weights_dtype=fp8_e4m3"), "--weights_dtype is not used by serving"),
     # speculative decoding (SGLang's flags; serving.speculation)
     "speculative_topk": (checkpoint_decoding("ok.npz", "--speculative_algorithm=EAGLE", "--speculative_eagle_topk=2"),
                          "--speculative_eagle_topk=2 is not supported: only 1 (chain drafting, no tree)"),

@@ -14,14 +14,14 @@ from models.dsa.checks import check_hisparse
 
 
 def _decode(checkpoint, prompts, max_new_tokens, *, dtype, hisparse, kv_cache_dtype, parallel=None, implementation=None,
-            speculative=None) -> DecodeOutput:
+            speculative=None, weights_dtype="auto") -> DecodeOutput:
     from models.common.progress import load_logged
     from models.dsa import loading  # its load_hf_checkpoint, looked up when called (tests patch it)
     from models.dsa.generate import generate
     from models.dsa.runner import ModelRunner
 
     # The MTP layer is loaded only to speculate with it (configs.speculative.SpeculativeConfig).
-    model = load_logged(checkpoint, lambda: loading.load_hf_checkpoint(checkpoint, dtype=dtype, load_mtp=speculative is not None))
+    model = load_logged(checkpoint, lambda: loading.load_hf_checkpoint(checkpoint, dtype=dtype, load_mtp=speculative is not None, weights_dtype=weights_dtype))
     # parallel: a mesh (DP attention x TP, or TP replicas), the weights sharded over it as served
     runner = ModelRunner(model, parallel=parallel, implementation=implementation, kv_cache_dtype=kv_cache_dtype, speculative=speculative)
     out = generate(runner, prompts, max_new_tokens, hisparse=hisparse, kv_cache_dtype=kv_cache_dtype, speculative=speculative)
