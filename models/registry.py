@@ -181,7 +181,7 @@ def decode_checkpoint(
         if family.name != "dsa" or config.num_nextn_predict_layers < 1:
             raise InputError(f"speculative decoding needs a DSA model with an MTP layer; {checkpoint} has none")
         options = dict(options, speculative=speculative)
-    if weights_dtype != "auto":  # DSA checkpoints: block FP8 or dequantised (models.dsa.loading)
+    if weights_dtype != "auto" and family.name == "dsa":  # block FP8 or dequantised (models.dsa.loading); others load in dtype
         options = dict(options, weights_dtype=weights_dtype)
     out = family.decode(checkpoint, prompts, max_new_tokens, dtype=dtype, hisparse=hisparse, kv_cache_dtype=kv_cache_dtype, **options)
     logging.info("decoded %s: %s (%s family), params %s", checkpoint, config.model_type, family.name, np.dtype(dtype).name)

@@ -403,6 +403,7 @@ def check_checkpoint_decode(
             f"--weights_dtype={weights_dtype}: DSA checkpoints take auto, fp8_e4m3 or --dtype's name ({dtype});"
             " DeepSeek-V4 and MiniMax-M3 checkpoints load in --dtype (auto)"
         )
+    with flag_errors("--prompts"):
         ids = inputs.check_prompts(inputs.read_prompts(prompts), config, name=f"{prompts} input_ids")
     with flag_errors("--max_new_tokens"):
         inputs.check_context(ids.shape[1], max_new_tokens, config)
