@@ -74,7 +74,7 @@ CHECKPOINT_DECODING_FLAGS = frozenset(
      "tp_size", "dp_size", "enable_dp_attention", "implementation", "weights_dtype"}
 ) | frozenset(speculation.FLAGS)  # fmt: skip
 CHECKPOINT_DECODING_ONLY = frozenset({"prompts", "output", "max_new_tokens", "weights_dtype"})
-WEIGHTS_DTYPE_NAMES = ("auto", "bfloat16", "float32", "fp8_e4m3")  # models.common.fp8.WEIGHTS_DTYPES
+WEIGHTS_DTYPE_NAMES = ("auto", "bfloat16", "float32", "fp8_e4m3")  # --weights_dtype: auto = the checkpoint's own
 
 
 @contextlib.contextmanager

@@ -12,28 +12,16 @@ dequantises one tile at a time; dequantize() (the op's own) is the reference tho
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from pallas_kernels.grouped_matmul.base import dequantize, expand_scale  # noqa: F401  (this module's API too)
+from hisparse_jax.row_layout import FP8_MAX
+from pallas_kernels.grouped_matmul.base import FP8, dequantize, expand_scale, is_fp8  # noqa: F401  (this module's API too)
 
-FP8 = jnp.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-WEIGHTS_DTYPES = ("auto", "bfloat16", "float32", "fp8_e4m3")  # --weights_dtype: auto = the checkpoint's own
 DEFAULT_BLOCK = (128, 128)
-
-
-def is_fp8(dtype) -> bool:
-    return np.dtype(dtype) == np.dtype(FP8)
-
-
-def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
-    """Shape of the scales of a weight of `shape`: one per started block of its last two dims."""
-    *lead, rows, cols = shape
-    return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
 
 
 def quantize(weight: jax.Array, block: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
@@ -52,8 +40,14 @@ def quantize(weight: jax.Array, block: tuple[int, int]) -> tuple[jax.Array, jax.
 
 def random_fp8(key: jax.Array, shape: tuple[int, ...], fan_in: int, block: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
     """N(0, 1/fan_in) weights quantised to block fp8 (random-weight models, on whatever device
-    the key is: benchmarks build them on the GPU, no host copy)."""
-    return jax.jit(lambda k: quantize(jax.random.normal(k, shape, jnp.float32) / math.sqrt(fan_in), block))(key)
+    the key is: benchmarks build them on the GPU, no host copy). One compiled program per
+    (shape, fan_in, block), shared by every layer of that shape."""
+    return _random_fp8(key, tuple(shape), fan_in, tuple(block))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _random_fp8(key: jax.Array, shape: tuple[int, ...], fan_in: int, block: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+    return quantize(jax.random.normal(key, shape, jnp.float32) / math.sqrt(fan_in), block)
 
 
 def dequantize_params(params: dict, dtype) -> dict:

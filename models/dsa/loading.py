@@ -100,7 +100,7 @@ def abstract_model(config: DSAModelConfig, dtype) -> DSAForCausalLM:
 
 
 def weight_block(weights_dtype: str, checkpoint_block: tuple[int, int] | None, dtype) -> tuple[int, int] | None:
-    """The model's weight_block_size for `weights_dtype` (models.common.fp8.WEIGHTS_DTYPES):
+    """The model's weight_block_size for `weights_dtype` (serving.validation.WEIGHTS_DTYPE_NAMES):
     "auto" keeps the checkpoint's own format (block FP8 stays FP8), "fp8_e4m3" block FP8 (the
     checkpoint's blocks, or 128 x 128 quantised at load), the model dtype's name dequantises."""
     if weights_dtype == "auto":

@@ -20,7 +20,7 @@ implementation:
                elsewhere; `config=` a TritonConfig);
   "tokamax"    tokamax_mosaic.py, tokamax's Mosaic GPU kernels (GPU only; fp8 needs transpose_rhs);
   None         on a GPU: bf16 "pallas"; fp8 "pallas" (its dot in f16) up to ~8 rows per expert,
-               "tokamax" above where tokamax imports (_best_on_gpu);
+               "tokamax" above where tokamax imports (resolve_implementation);
                elsewhere "reference". A named implementation runs or raises; it never falls back.
 """
 
@@ -38,23 +38,19 @@ from pallas_kernels.grouped_matmul.reference import grouped_matmul_reference, ma
 IMPLEMENTATIONS = ("reference", "pallas", "tokamax")
 
 
-def resolve_implementation(implementation: str | None, fp8: bool) -> str:
+def resolve_implementation(implementation: str | None, fp8: bool, M: int = 0, G: int = 1) -> str:
+    """The implementation that runs for `implementation` (None: the measured best) on M rows over
+    G groups. On a GPU, bf16: the Pallas kernel (1.1-1.3x the floor from 1 to 256 tokens); fp8:
+    the Pallas kernel with its dot in f16 while experts see few rows (<= ~8 on average:
+    1.5-1.7x), tokamax's Mosaic kernel above (1.8-2.9x vs Pallas' 2.4-4.4x). H200, 2026-12-02,
+    docs/PERFORMANCE.md."""
     if implementation is None:
         if not common.on_gpu():
             return "reference"
-        return "tokamax" if fp8 and tokamax_mosaic.available() else "pallas"
+        return "tokamax" if fp8 and M > 8 * G and tokamax_mosaic.available() else "pallas"
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None for the grouped matmul, got {implementation!r}")
     return implementation
-
-
-def _best_on_gpu(fp8: bool, M: int, G: int) -> str:
-    """bf16: the Pallas kernel (1.1-1.3x the floor from 1 to 256 tokens); fp8: the Pallas kernel with
-    its dot in f16 while experts see few rows (<= ~8 on average: 1.5-1.7x), tokamax's Mosaic kernel
-    above (1.8-2.9x vs Pallas' 2.4-4.4x). H200, 2026-12-02, docs/PERFORMANCE.md."""
-    if fp8 and M > 8 * G and tokamax_mosaic.available():
-        return "tokamax"
-    return "pallas"
 
 
 def _logical(x, transpose: bool):
@@ -85,9 +81,7 @@ def grouped_matmul(
     i32[G] -> [M, N] in preferred_element_type (default: lhs's dtype)."""
     check_inputs(lhs, _logical(rhs, transpose_rhs), group_sizes, None if rhs_scale is None else _logical(rhs_scale, transpose_rhs))
     fp8 = is_fp8(rhs.dtype)
-    impl = resolve_implementation(implementation, fp8)
-    if implementation is None and impl != "reference":
-        impl = _best_on_gpu(fp8, lhs.shape[0], rhs.shape[0])
+    impl = resolve_implementation(implementation, fp8, lhs.shape[0], rhs.shape[0])
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     group_sizes = group_sizes.astype(jnp.int32)
     M, K = lhs.shape

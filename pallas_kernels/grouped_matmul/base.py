@@ -22,7 +22,7 @@ def is_fp8(dtype) -> bool:
 PUBLISHED_BLOCK = 128  # DeepSeek / GLM FP8 checkpoints' weight_block_size edge
 
 
-def _edge(dim: int, blocks: int) -> int:
+def block_edge(dim: int, blocks: int) -> int:
     """The block edge that cuts `dim` into `blocks` blocks, the last one possibly partial. A partial
     last block makes the edge ambiguous from the counts alone (576 rows in 5 blocks: any edge in
     116..143): the published 128 when it fits, else the smallest that does."""
@@ -33,9 +33,9 @@ def _edge(dim: int, blocks: int) -> int:
 
 def scale_block(shape: tuple[int, ...], scale_shape: tuple[int, ...], block: tuple[int, int] | None = None) -> tuple[int, int]:
     """The block over the last two dims of a weight of `shape` whose scales have `scale_shape`:
-    `block` when given (checked against the counts), else as _edge infers it."""
+    `block` when given (checked against the counts), else as block_edge infers it."""
     if block is None:
-        return _edge(shape[-2], scale_shape[-2]), _edge(shape[-1], scale_shape[-1])
+        return block_edge(shape[-2], scale_shape[-2]), block_edge(shape[-1], scale_shape[-1])
     if (-(-shape[-2] // block[0]), -(-shape[-1] // block[1])) != tuple(scale_shape[-2:]):
         raise ValueError(f"scales {tuple(scale_shape)} are not the {block} blocks of a weight {tuple(shape)}")
     return tuple(block)

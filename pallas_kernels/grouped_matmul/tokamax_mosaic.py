@@ -25,7 +25,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.grouped_matmul.base import _edge
+from pallas_kernels.grouped_matmul.base import block_edge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +77,7 @@ def ragged_dot_bf16(lhs, rhs, group_sizes, *, config: MosaicConfig | None = None
 def column_scales(scales_nk: jax.Array, N: int, K: int, dtype=jnp.float16) -> jax.Array:
     """Block scales f32[G, N/bn_s, K/bk_s] (transposed storage) -> dtype[G, K/bk_s, N]: each
     column's scale per K block (the quantized kernel's (1, bk_s, 1) scale tile)."""
-    bn_s = _edge(N, scales_nk.shape[1])
+    bn_s = block_edge(N, scales_nk.shape[1])
     per_column = jnp.repeat(scales_nk, bn_s, axis=1)[:, :N]  # f32[G, N, Kb]
     return jnp.swapaxes(per_column, 1, 2).astype(dtype)
 
