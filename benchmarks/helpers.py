@@ -60,9 +60,5 @@ def bench_model_config(*, smoke: bool, num_layers: int, num_experts: int, num_he
 
     if smoke:
         return DSAModelConfig.tiny()
-    L = num_layers
-    config = DSAModelConfig.deepseek_v32().replace(
-        num_layers=L, mlp_layer_types=("dense",) + ("sparse",) * (L - 1), indexer_types=("full",) * L,
-        n_routed_experts=num_experts, n_group=8, topk_group=4, num_nextn_predict_layers=0,  # no MTP layer: no speculation here
-    )  # fmt: skip
+    config = DSAModelConfig.deepseek_v32_bench(num_layers, num_experts)  # no MTP layer: no speculation here
     return config if num_heads is None else config.replace(num_heads=num_heads)

@@ -237,6 +237,18 @@ class DSAModelConfig:
         )  # fmt: skip
 
     @classmethod
+    def deepseek_v32_bench(cls, num_layers: int = 4, num_experts: int = 16) -> "DSAModelConfig":
+        """DeepSeek-V3.2's attention at full width (128 heads, 576-wide latent rows, indexer 64 x 128,
+        top_k 2048), hidden 7168, vocab 129,280, on `num_layers` layers (one dense, then MoE with
+        `num_experts` routed experts, top-8), no MTP layer: the serving benchmarks' model, ~6 GB of
+        bf16 weights at 4 x 16. Real KV row sizes on one GPU (the full model needs hundreds of GB)."""
+        L = num_layers
+        return cls.deepseek_v32().replace(
+            num_layers=L, mlp_layer_types=("dense",) + ("sparse",) * (L - 1), indexer_types=("full",) * L,
+            n_routed_experts=num_experts, n_group=8, topk_group=4, num_nextn_predict_layers=0,
+        )  # fmt: skip
+
+    @classmethod
     def glm_5_1(cls) -> "DSAModelConfig":
         """zai-org/GLM-5.1 (GLM-5 architecture): every layer runs its indexer."""
         return cls.from_hf_config(

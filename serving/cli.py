@@ -410,8 +410,13 @@ def run_decode_instance(args: ServingArgs) -> dict:
                  max_running_requests=args.max_running_requests,
                  clock="from the first arrival (summary.first_arrival_wait_s: the wait before it)"),  # fmt: skip
         summary=run.summary,
+        handover=receiver.handover_stats(),
         tokens={str(i): t.tolist() for i, t in sorted(run.tokens.items())},
     )
+    handover = results["handover"]
+    if handover["seconds"]:
+        logging.info("KV hand-over: %d requests, %.1f MB in %.3f s of pulls: %.2f GB/s",
+                     handover["requests"], handover["bytes"] / 1e6, handover["seconds"], handover["gb_per_s"])  # fmt: skip
     prefix = "" if args.synthetic_topk_overlap is None else f"synthetic_overlap{args.synthetic_topk_overlap:g}_"
     results["files"] = {"results": os.path.join(args.output_dir, f"{prefix}results.json")}  # labelled as colocated runs
     write_json(results["files"]["results"], results)

@@ -168,6 +168,7 @@ class KVReceiver:
         device = jax.local_devices()[0]
         self._host = SingleDeviceSharding(device, memory_kind=rows_memory_kind)
         self._device = SingleDeviceSharding(device, memory_kind=memory.DEVICE)
+        self._pulls: list[tuple[int, float]] = []  # per request: (bytes pulled, seconds from pull() to ready)
         self._thread = threading.Thread(target=self._serve, name="kv-receiver", daemon=True)
         self._thread.start()
 
@@ -198,8 +199,10 @@ class KVReceiver:
                     specs = [jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d), sharding=self._host) for s, d in message["rows"]]
                     keys = message["index_keys"] + message["index_key_scales"]  # both bound for the device
                     specs += [jax.ShapeDtypeStruct(tuple(s), jnp.dtype(d), sharding=self._device) for s, d in keys]
+                    started = time.perf_counter()
                     arrays = connections[address].pull(message["uuid"], specs)
                     jax.block_until_ready(arrays)
+                    self._record_pull(started, arrays)
                     control.send(dict(uuid=message["uuid"]))
                     L, J = len(message["rows"]), len(message["index_keys"])
                     layout = None if message.get("row_layout") is None else KVRowLayout(*message["row_layout"])
@@ -212,6 +215,21 @@ class KVReceiver:
         finally:
             self._done.set()
             self._listener.close()
+
+    def _record_pull(self, started: float, arrays) -> None:
+        self._pulls.append((sum(int(a.nbytes) for a in arrays), time.perf_counter() - started))
+
+    def handover_stats(self) -> dict:
+        """The KV hand-over as the decode side saw it: requests pulled, their bytes (rows and
+        index keys), the seconds from each pull() to its arrays being ready (one request at a
+        time: the receiver pulls serially), and bytes over those seconds."""
+        nbytes = sum(b for b, _ in self._pulls)
+        seconds = sum(t for _, t in self._pulls)
+        per_request = [b / t / 1e9 for b, t in self._pulls if t > 0]
+        return dict(
+            requests=len(self._pulls), bytes=nbytes, seconds=seconds, gb_per_s=nbytes / seconds / 1e9 if seconds else None,
+            gb_per_s_per_request=dict(min=min(per_request), median=float(np.median(per_request)), max=max(per_request)) if per_request else None,
+        )  # fmt: skip
 
     def poll(self, timeout: float | None = None) -> list[Request]:
         """Requests arrived since the last call; with a timeout, waits that long for a first one.

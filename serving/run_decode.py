@@ -34,7 +34,8 @@ from serving.errors import UsageError
 
 _MODEL = flags.DEFINE_string(
     "model", "tiny",
-    "Built-in model config (random weights): tiny, tiny_glm, deepseek_v32, glm_5_1, glm_5_2 (DSA), deepseek_v4_tiny, minimax_m3_tiny.",
+    "Built-in model config (random weights): tiny, tiny_glm, deepseek_v32, glm_5_1, glm_5_2 (DSA),"
+    " deepseek_v32_bench (DeepSeek-V3.2's attention, 4 layers x 16 experts: one GPU), deepseek_v4_tiny, minimax_m3_tiny.",
 )  # fmt: skip
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Hugging Face checkpoint directory (config.json + *.safetensors), instead of --model.")
 _PROMPTS = flags.DEFINE_string("prompts", None, "Checkpoint decoding: .npz with input_ids int32 [B, T].")

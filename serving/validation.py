@@ -38,6 +38,7 @@ MODELS = {
     "tiny": DSAModelConfig.tiny,
     "tiny_glm": DSAModelConfig.tiny_glm,
     "deepseek_v32": DSAModelConfig.deepseek_v32,
+    "deepseek_v32_bench": DSAModelConfig.deepseek_v32_bench,  # its attention at full width, 4 layers x 16 experts (~6 GB)
     "glm_5_1": DSAModelConfig.glm_5_1,
     "glm_5_2": DSAModelConfig.glm_5_2,
     # served through their families' runners (models/common/runner.py), tiny sizes only

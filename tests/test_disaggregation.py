@@ -82,6 +82,9 @@ def test_two_process_pd_equals_colocated(tmp_path, enable_hisparse, kv_cache_dty
     assert received["run"]["disaggregation_mode"] == "decode"
     assert received["summary"]["first_arrival_wait_s"] >= 0  # the figures start at the first arrival
     assert received["tokens"] == colocated_tokens(enable_hisparse, kv_cache_dtype)
+    handover = received["handover"]  # every request's KV pulled once, and timed
+    assert handover["requests"] == len(received["tokens"]) and handover["bytes"] > 0 and handover["gb_per_s"] > 0
+    assert "KV hand-over:" in decode_err
     if enable_hisparse:
         assert received["summary"]["misses"] > 0
 
