@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
@@ -49,6 +50,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks import step_split  # noqa: E402
 from benchmarks.helpers import bench_model_config, log  # noqa: E402
 from configs.model import DSAModelConfig  # noqa: E402
 from hisparse_jax.config import HiSparseConfig, ResidencyConfig  # noqa: E402
@@ -106,6 +108,11 @@ flags.DEFINE_bool(
     "disable_overlap_schedule", False,
     "As SGLang's: read each step's tokens before dispatching the next (default: the overlap schedule, EngineConfig.overlap_schedule).",
 )
+flags.DEFINE_integer(
+    "profile_steps", 0,
+    "After each engine's SYNTHETIC point at capacity: this many more steps (after --warm_steps warm ones, in a run of"
+    " their own) under jax.profiler into OUTPUT_DIR/trace_<mode>, split per category (benchmarks/step_split.py); 0: off.",
+)
 flags.DEFINE_string("replot", None, "Only redraw the plots of this bench_serving.json into --output_dir (no JAX work).")
 
 # The budget assumption, stated in the output. An H200 has 141 GB of HBM. DeepSeek-V3.2 in FP8
@@ -119,7 +126,7 @@ KV_BUDGET_NOTE = (
 KV_BUDGET_GB_PER_LAYER = 0.62
 SMOKE_KV_BUDGET_GB_PER_LAYER = 0.00025
 
-RESULTS: dict = {"device": None, "setup": {}, "points": [], "phases": [], "errors": []}
+RESULTS: dict = {"device": None, "setup": {}, "points": [], "phases": [], "errors": [], "step_split": []}
 T0 = time.perf_counter()
 
 
@@ -310,12 +317,14 @@ def run_segment(engines: Engines, name: str, mode: str, slots: int, overlap: flo
     engine = engines.get(mode, slots, overlap)
     log(f"{name}: {mode} engine with {slots} slots ready in {time.perf_counter() - t:.1f}s")
     selection = "model" if overlap is None else f"SYNTHETIC(overlap={overlap:g})"
-    measured = {}
+    measured, run_s = {}, {}
     for c in concurrencies:
         running = min(c, slots)
         if running not in measured:
             requests = [Request(i, engines.prompt, FLAGS.warm_steps + FLAGS.steps) for i in range(running)]
+            t = time.perf_counter()
             result = engine.run(requests, max_concurrency=running)
+            run_s[running] = time.perf_counter() - t
             measured[running] = point_metrics(result, FLAGS.warm_steps)
             if overlap is not None:
                 measured[running]["measured_topk_overlap"] = result.summary.get("measured_topk_overlap")
@@ -331,6 +340,53 @@ def run_segment(engines: Engines, name: str, mode: str, slots: int, overlap: flo
             f" ITL {metrics['itl_ms']['mean']:.2f} ms (p99 {metrics['itl_ms']['p99']:.2f}),"
             f" miss rate {metrics['miss_rate']:.3f}, {metrics['h2d_gb_per_s']:.1f} GB/s host->device")  # fmt: skip
         save()
+    if FLAGS.profile_steps > 0 and name == "synthetic" and slots in run_s:  # after every measured point
+        profile_point(engines, mode, slots, overlap, run_s[slots])
+
+
+def profile_point(engines: Engines, mode: str, running: int, overlap: float | None, point_s: float) -> None:
+    """The step split at capacity: a run of its own, --warm_steps untimed steps then
+    --profile_steps under the profiler, summarised by benchmarks/step_split.py into
+    RESULTS["step_split"]. Skipped when it would end past --time_budget_s (its cost: the
+    measured point's, pro rata for its steps, twice over for the profiler and the trace's parse)."""
+    steps = FLAGS.warm_steps + FLAGS.profile_steps + 1  # + 1: the trace stops inside the run, not at its end
+    estimate = 2 * point_s * steps / (FLAGS.warm_steps + FLAGS.steps)
+    if time.perf_counter() - T0 + estimate > FLAGS.time_budget_s:
+        log(f"  skip step split of {mode}: ~{estimate:.0f}s would pass --time_budget_s")
+        RESULTS["step_split"].append(dict(mode=mode, running=running, skipped=True))
+        return
+    trace_dir = os.path.join(FLAGS.output_dir, f"trace_{mode}")
+    shutil.rmtree(trace_dir, ignore_errors=True)  # this run's trace only
+    engine = engines.get(mode, running, overlap)  # warm already: no compile
+    requests = [Request(i, engines.prompt, steps) for i in range(running)]
+    t = time.perf_counter()
+    try:
+        with step_split.DecodeTrace(engine, trace_dir, FLAGS.warm_steps, FLAGS.profile_steps) as probe:
+            engine.run(requests, max_concurrency=running)
+        entry = step_split.summarize(trace_dir, probe.traced_steps, probe.window_ms)
+    except Exception as error:  # the split is an extra: keep the points
+        entry = dict(error=repr(error), trace=traceback.format_exc()[-2000:])
+    entry = dict(mode=mode, running=running, context=engines.setup.context, trace_dir=trace_dir,
+                 seconds=time.perf_counter() - t, **entry)  # fmt: skip
+    RESULTS["step_split"].append(entry)
+    ms = entry.get("categories_ms", {})
+    log(f"  step split {mode} running={running}: " + ", ".join(f"{k} {v:.2f}" for k, v in ms.items())
+        + f" ms/step{' (error: ' + entry['error'] + ')' if 'error' in entry else ''}")  # fmt: skip
+    save()
+
+
+def split_per_token() -> list[dict]:
+    """Per category, ms per generated token (a step's ms / running) of each mode's split and
+    hisparse - baseline: the parts that hold the throughput ratio, largest first."""
+    by_mode = {e["mode"]: e for e in RESULTS["step_split"] if e.get("categories_ms") and e.get("running")}
+    if not {"hisparse", "baseline"} <= set(by_mode):
+        return []
+    per_token = {m: {k: v / e["running"] for k, v in e["categories_ms"].items()} for m, e in by_mode.items()}
+    rows = [dict(category=k, hisparse_ms_per_token=per_token["hisparse"][k], baseline_ms_per_token=per_token["baseline"][k],
+                 delta_ms_per_token=per_token["hisparse"][k] - per_token["baseline"][k],
+                 hisparse_ms_per_step=by_mode["hisparse"]["categories_ms"][k], baseline_ms_per_step=by_mode["baseline"]["categories_ms"][k])
+            for k in per_token["hisparse"]]  # fmt: skip
+    return sorted(rows, key=lambda r: -r["delta_ms_per_token"])
 
 
 def _series_mode(p) -> str:
@@ -354,6 +410,10 @@ def draw() -> None:
         )
         series = {f"{p['mode']}, running {p['running']}": p["misses_per_step_all"] for p in points if p["mode"].startswith("hisparse")}
         plots.misses_over_time(series, os.path.join(FLAGS.output_dir, f"misses_{tag}.png"), label=label, window=4)
+    splits = [e for e in RESULTS.get("step_split", []) if e.get("categories_ms")]
+    if splits:
+        step_split.plot(splits, os.path.join(FLAGS.output_dir, "step_split.png"),
+                        label=f"{FLAGS.preset or 'bench model'}, SYNTHETIC selection at capacity, random weights")  # fmt: skip
 
 
 def ratios() -> list[dict]:
@@ -503,6 +563,10 @@ def main(_):
     RESULTS["ratios"] = ratios()
     RESULTS["step_cost_fit"] = step_cost_fit()
     RESULTS["summary"] = rank_summary(setup)
+    RESULTS["step_split_per_token"] = split_per_token()
+    for row in RESULTS["step_split_per_token"]:
+        log(f"split per token {row['category']:10s}: hisparse {row['hisparse_ms_per_token']:.4f} ms, baseline"
+            f" {row['baseline_ms_per_token']:.4f} ms, delta {row['delta_ms_per_token']:+.4f} ms")  # fmt: skip
     for fit in RESULTS["step_cost_fit"]:
         log(f"step ~ F + n x c: {fit['phase']:9s} {fit['mode']:8s} F {fit['F_ms']:.2f} ms, c {fit['c_ms']:.3f} ms per request"
             f" (from running {fit['running']})")
