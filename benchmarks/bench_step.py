@@ -110,14 +110,20 @@ def moe_case(model_name: str, weights_dtype: str, tokens: list[int]):
     experts = Experts(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(experts)
     E, X = config.n_routed_experts, config.num_experts_per_tok
-    impls = ["reference", "pallas"] + (["pallas_f16"] if fp8 else []) + (["tokamax"] if tokamax_mosaic.available() and not ARGS.smoke else [])
+    pallas_variants = ["pallas_f16", "pallas_w8a8"] if fp8 else []
+    impls = ["reference", "pallas", *pallas_variants] + (["tokamax"] if tokamax_mosaic.available() and not ARGS.smoke else [])
 
     def run(impl):
         def f(params, x, w, ids):
-            # "pallas_f16": the Pallas kernel with its dot in f16 (pallas_triton's "f16" conversion)
-            pallas_triton.DEFAULT_FP8_CONVERSION = "f16" if impl == "pallas_f16" else "native"
-            with matmul_implementation("pallas" if impl == "pallas_f16" else impl):
-                return nnx.merge(graphdef, params)(x, w, ids)
+            # "pallas_f16" / "pallas_w8a8": the Pallas kernel with pallas_triton's "f16" / "w8a8"
+            # conversion ("pallas" alone: "native"); set at trace time, the jit keeps it
+            default = pallas_triton.DEFAULT_FP8_CONVERSION
+            pallas_triton.DEFAULT_FP8_CONVERSION = impl.split("_")[1] if impl in pallas_variants else "native"
+            try:
+                with matmul_implementation("pallas" if impl in pallas_variants else impl):
+                    return nnx.merge(graphdef, params)(x, w, ids)
+            finally:  # the model's default again for whatever traces next
+                pallas_triton.DEFAULT_FP8_CONVERSION = default
 
         return jax.jit(f)
 

@@ -77,6 +77,39 @@ def test_pallas_fp8_writes_every_row_and_equals_reference(transpose, config):
     assert_close(out, ref, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("transpose", [False, True], ids=["kn", "nk"])
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2]], ids=["subtiles", "split_k"])
+def test_pallas_w8a8_equals_reference_over_quantised_rows(transpose, config):
+    """fp8_conversion "w8a8" (activations quantised per row and K block, the dot on fp8): every row
+    written (NaN-poisoned output), equal to the reference over the same quantised activations
+    (f32 accumulation order aside), within the activations' quantisation error of the w8a16
+    reference, and each row's K blocks scaled by their own scales (one row's block scaled 2**6
+    times the others)."""
+    from pallas_kernels.grouped_matmul.pallas_triton import quantize_rows
+
+    sizes = [3, 0, 40, 5]
+    lhs, values, scale, gs = random_case(3, sizes, M=sum(sizes) + 6, fp8=True, transpose=transpose)
+    lhs = lhs.at[1, : BLOCK[0]].multiply(64.0)  # row 1's first K block: its own scale
+    M = lhs.shape[0]
+    cfg = config.replace(fp8_conversion="w8a8")
+    poison = jnp.full((cfg.split_k, M, N) if cfg.split_k > 1 else (M, N), jnp.nan, jnp.float32)
+    out = grouped_matmul_triton(
+        lhs, values, scale, gs, out_dtype=jnp.float32, config=cfg, interpret=True, transpose_rhs=transpose, output_init=poison
+    )  # fmt: skip
+    q, q_scale = quantize_rows(lhs, BLOCK[0])  # f8[M, K], f32[M, K / 128]
+    lhs_q = (q.astype(jnp.float32).reshape(M, -1, BLOCK[0]) * q_scale[..., None]).reshape(M, K)  # f32[M, K]
+    ref_q = grouped_matmul(lhs_q, values, gs, rhs_scale=scale, transpose_rhs=transpose, implementation="reference",
+                           preferred_element_type=jnp.float32)  # fmt: skip
+    ref = grouped_matmul(lhs, values, gs, rhs_scale=scale, transpose_rhs=transpose, implementation="reference",
+                         preferred_element_type=jnp.float32)  # fmt: skip
+    out = np.asarray(out)
+    assert np.all(np.isfinite(out[: sum(sizes)])), "a row of some group was not written"
+    assert np.all(out[sum(sizes):] == 0)
+    assert_close(out, ref_q, jnp.float32)
+    rel = np.max(np.abs(out - np.asarray(ref))) / np.max(np.abs(np.asarray(ref)))
+    assert 1e-4 < rel < 0.05, rel  # e4m3 activations: a few percent at most, and not the w8a16 numbers
+
+
 def test_each_block_scale_lands_on_its_block():
     lhs, values, scale, gs = random_case(3, [5, 9, 0, 2], fp8=True, transpose=True)
     scale = scale * 2.0 ** (jnp.arange(scale.size, dtype=jnp.float32).reshape(scale.shape) % 11)

@@ -42,6 +42,11 @@ by `fp8_conversion` because what the Triton in jaxlib accepts on sm90 is not yet
              f16 per tile: their range holds decode activations, 11 mantissa bits to bf16's 8),
              skipping the f16 -> bf16 step, which sm90 has no instruction for; tokamax's fp8
              kernel takes the same route.
+  "w8a8":    no conversion at all: the activations are quantised to fp8 first (per row and
+             K scale block, absmax / 448: DeepSeek's own inference code's act_quant, SGLang's
+             per-token-group quantisation), the dot runs on fp8 x fp8 tensor cores with f32
+             accumulation, and each K step's partial product is multiplied by the rows' and the
+             columns' scales. Not the w8a16 numbers: the released models' own arithmetic.
 
 Shape letters: M rows of lhs, K contraction, N output columns, G groups, S split_k,
 Kb = K / bk_s and Nb = N / bn_s scale blocks (bk_s x bn_s the scale block, 128 x 128 as published).
@@ -64,7 +69,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.grouped_matmul.base import scale_block
 
-FP8_CONVERSIONS = ("native", "via_f16", "bits", "f16")
+FP8_CONVERSIONS = ("native", "via_f16", "bits", "f16", "w8a8")
 # The conversion default_config picks (benchmarks/bench_step.py sets it to compare them).
 DEFAULT_FP8_CONVERSION = "f16"  # H200: 1.46-1.73x the fp8 floor up to 24 tokens vs "native"'s 1.75-2.12x
 _BITS_SCALE = 256.0  # "bits": the f16 built from e4m3 bits is the value / 2**8
@@ -110,6 +115,8 @@ class TritonConfig:
             raise ValueError(f"{self.num_stages=} must be >= 1")
         if self.fp8_conversion not in FP8_CONVERSIONS:
             raise ValueError(f"{self.fp8_conversion=} must be one of {FP8_CONVERSIONS}")
+        if self.fp8_conversion == "w8a8" and self.swap_ab:
+            raise ValueError("fp8_conversion 'w8a8' does not run with swap_ab")
 
     def replace(self, **changes) -> "TritonConfig":
         return dataclasses.replace(self, **changes)
@@ -223,7 +230,10 @@ def _row_block(leading: tuple, rows, col0, size: int, interpret: bool) -> tuple:
 
 
 def _fp8_tile_to_bf16(w, conversion: str):
-    """A weight tile f8e4m3fn[bk, bn] (uint8 for "bits") -> bf16[bk, bn] (/ 256 for "bits"; f16 for "f16")."""
+    """A weight tile f8e4m3fn[bk, bn] (uint8 for "bits") -> bf16[bk, bn] (/ 256 for "bits"; f16 for
+    "f16"; kept fp8 for "w8a8")."""
+    if conversion == "w8a8":
+        return w
     if conversion == "f16":
         return w.astype(jnp.float16)
     if conversion == "native":
@@ -244,6 +254,7 @@ def _kernel(
     w_ref,  # bf16[G, K, N], f8e4m3fn[G, K, N], or uint8[G, K, N] ("bits")
     s_ref,  # f32[G, Kb, Nb] (or [G, Nb, Kb] transposed; fp8; x 256 for "bits"), f32[1] unused otherwise
     init_ref,  # the output's initial contents when aliased (tests), else unused f32[1]
+    xs_ref,  # f32[M, Kb]: the activations' scales ("w8a8": x_ref is then f8e4m3fn), else unused f32[1]
     o_ref,  # out[M, N] (split_k == 1) or f32[S, M, N] partial sums
     *,
     cfg: TritonConfig,
@@ -276,7 +287,8 @@ def _kernel(
     out_lead = (split,) if partials else ()
 
     bk_s, bn_s = scale_block
-    dot_dtype = jnp.float16 if fp8 and cfg.fp8_conversion == "f16" else jnp.bfloat16
+    w8a8 = fp8 and cfg.fp8_conversion == "w8a8"
+    dot_dtype = {"f16": jnp.float16, "w8a8": jnp.float8_e4m3fn}.get(cfg.fp8_conversion, jnp.bfloat16) if fp8 else jnp.bfloat16
 
     def load_scale(k0):  # f32[] (block_n <= bn_s) or f32[bn]: the scale of each column here
         kb = k0 // bk_s
@@ -305,7 +317,7 @@ def _kernel(
                         x_ref.at[_row_block((), rows, k0, bk, interpret)],
                         mask=jnp.broadcast_to(ok[:, None], (bm, bk)),
                         other=jnp.zeros((), x_ref.dtype),
-                    ).astype(dot_dtype)  # bf16[bm, bk] (f16 with the "f16" conversion)
+                    ).astype(dot_dtype)  # bf16[bm, bk] (f16 with the "f16" conversion, f8 with "w8a8")
                     if cfg.swap_ab:
                         part = jax.lax.dot_general(
                             w, x, (((w_contract,), (1,)), ((), ())), preferred_element_type=jnp.float32
@@ -318,6 +330,11 @@ def _kernel(
                         )  # f32[bm, bn]
                         if fp8:
                             part = part * (scale if scale.ndim == 0 else scale[None, :])
+                        if w8a8:  # the rows' scales of this K block
+                            row_scale = plgpu.load(
+                                xs_ref.at[_row_block((), rows, k0 // bk_s, 1, interpret)], mask=ok[:, None], other=0.0
+                            )  # f32[bm, 1]
+                            part = part * row_scale
                     return acc + part
 
                 if j == 0:
@@ -387,6 +404,16 @@ def check_shapes(lhs, values, scales, group_sizes, cfg: TritonConfig | None, fp8
     return block
 
 
+def quantize_rows(x: jax.Array, block_k: int) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] -> (f8e4m3fn[M, K], f32[M, K / block_k]): per row and K block, absmax / 448 (a
+    block of zeros gets the smallest normal scale), as DeepSeek's act_quant; x ~ values x scale."""
+    M, K = x.shape
+    blocks = x.astype(jnp.float32).reshape(M, K // block_k, block_k)  # f32[M, Kb, bk]
+    scale = jnp.maximum(jnp.max(jnp.abs(blocks), axis=-1) / 448.0, jnp.finfo(jnp.float32).tiny)  # f32[M, Kb]
+    values = jnp.clip(blocks / scale[..., None], -448.0, 448.0).astype(jnp.float8_e4m3fn)  # clip: division round-off past 448
+    return values.reshape(M, K), scale
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret", "transpose_rhs"))
 def grouped_matmul_triton(
     lhs: jax.Array,  # [M, K]
@@ -413,6 +440,9 @@ def grouped_matmul_triton(
             scales = scales * _BITS_SCALE  # exact (a power of two)
     else:
         scales = jnp.zeros((1,), jnp.float32)  # unused operand (a zero-size one has no pointer)
+    x_scales = jnp.zeros((1,), jnp.float32)  # unused unless "w8a8"
+    if fp8 and cfg.fp8_conversion == "w8a8":
+        lhs, x_scales = quantize_rows(lhs, block[0])  # f8[M, K], f32[M, Kb]
     partials = cfg.split_k > 1
     out_shape = jax.ShapeDtypeStruct((cfg.split_k, M, N) if partials else (M, N), jnp.float32 if partials else out_dtype)
     aliases = {}
@@ -431,13 +461,13 @@ def grouped_matmul_triton(
         kernel,
         out_shape=out_shape,
         grid=(N // cfg.block_n, G, cfg.split_k) if cfg.n_fastest else (G, N // cfg.block_n, cfg.split_k),
-        in_specs=[any_spec] * 5,
+        in_specs=[any_spec] * 6,
         out_specs=any_spec,
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="hisparse_grouped_matmul",
-    )(group_sizes.astype(jnp.int32), lhs, values, scales, output_init)
+    )(group_sizes.astype(jnp.int32), lhs, values, scales, output_init, x_scales)
     if partials:  # one XLA fusion: sum of the K slices, rows past the groups zeroed, cast
         rows_ok = jnp.arange(M) < jnp.sum(group_sizes)
         out = jnp.where(rows_ok[:, None], out.sum(axis=0), 0.0).astype(out_dtype)
