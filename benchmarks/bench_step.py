@@ -39,6 +39,7 @@ PARSER.add_argument("--sections", default="moe,step")
 PARSER.add_argument("--tokens", default="1,8,24,64,88,128,256")
 PARSER.add_argument("--moe_models", default="deepseek_v32,glm_5_1")
 PARSER.add_argument("--later_model_tokens", default="8,88,256", help="tokens for the MoE models after the first (compiles are the cost)")
+PARSER.add_argument("--moe_weights", default="bfloat16,fp8_e4m3", help="the MoE table's weight dtypes")
 PARSER.add_argument("--calls", type=int, default=10)
 PARSER.add_argument("--running", default="1,4,16,24,64,88")
 PARSER.add_argument("--context", type=int, default=32768)
@@ -259,7 +260,7 @@ def main():
             models = ["tiny"] if ARGS.smoke else ARGS.moe_models.split(",")
             for i, name in enumerate(models):
                 tokens = [int(t) for t in (ARGS.tokens if i == 0 else ARGS.later_model_tokens).split(",")]
-                for dtype in ("bfloat16", "fp8_e4m3"):
+                for dtype in ARGS.moe_weights.split(","):
                     attempt(RESULTS["errors"], f"moe {name} {dtype}", lambda name=name, dtype=dtype, tokens=tokens: moe_case(name, dtype, tokens))
         elif section == "step":
             attempt(RESULTS["errors"], "step", step_section)
