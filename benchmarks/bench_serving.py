@@ -347,10 +347,10 @@ def run_segment(engines: Engines, name: str, mode: str, slots: int, overlap: flo
 def profile_point(engines: Engines, mode: str, running: int, overlap: float | None, point_s: float) -> None:
     """The step split at capacity: a run of its own, --warm_steps untimed steps then
     --profile_steps under the profiler, summarised by benchmarks/step_split.py into
-    RESULTS["step_split"]. Skipped when it would end past --time_budget_s (its cost: the
-    measured point's, pro rata for its steps, twice over for the profiler and the trace's parse)."""
+    RESULTS["step_split"]. Skipped when it would end past --time_budget_s (its cost: 1.5 x the
+    measured point's run, whose synthetic fill of every context it repeats, + the trace's parse)."""
     steps = FLAGS.warm_steps + FLAGS.profile_steps + 1  # + 1: the trace stops inside the run, not at its end
-    estimate = 2 * point_s * steps / (FLAGS.warm_steps + FLAGS.steps)
+    estimate = 1.5 * point_s
     if time.perf_counter() - T0 + estimate > FLAGS.time_budget_s:
         log(f"  skip step split of {mode}: ~{estimate:.0f}s would pass --time_budget_s")
         RESULTS["step_split"].append(dict(mode=mode, running=running, skipped=True))

@@ -1,0 +1,49 @@
+"""benchmarks/step_split.py: classification, busy-time union and host idle on synthetic events,
+and a real (CPU) trace end to end: no device plane there, the XLA thunks stand in."""
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import step_split
+from benchmarks.device_timing import Event
+from benchmarks.step_split import Kernel
+
+
+def test_kernel_names_then_scopes_then_generic_names():
+    assert step_split.classify("hisparse_sparse_mla_attention") == "attention"
+    assert step_split.classify("hisparse_indexer_topk_select") == "indexer"
+    assert step_split.classify("hisparse_copy_host_rows") == "swap_in"
+    assert step_split.classify("hisparse_grouped_matmul") == "moe"  # not dense_gemm's "matmul"
+    assert step_split.classify("MemcpyH2D") == "swap_in"
+    assert step_split.classify("sm90_xmma_gemm_bf16bf16_bf16f32") == "dense_gemm"
+    assert step_split.classify("nvjet_tst_128x64") == "dense_gemm"
+    # a gemm the scope places in the attention / the MoE
+    assert step_split.classify("nvjet_tst_128x64", "jit(decode)/attention/dot_general") == "attention"
+    assert step_split.classify("loop_fusion", "jit(decode)/moe/ragged_dot") == "moe"
+    assert step_split.classify("loop_fusion.12") == "other"
+
+
+def test_busy_time_merges_overlapping_streams_and_host_idle_is_the_rest():
+    a = Event(0.0, 4e6, "nvjet_gemm", "Stream #1")  # 0..4 ms
+    b = Event(2e6, 4e6, "hisparse_copy_host_rows", "Stream #2")  # 2..6 ms, overlaps a
+    c = Event(8e6, 2e6, "loop_fusion", "Stream #1")  # 8..10 ms
+    assert step_split.busy_ns([a, b, c]) == 8e6
+    out = step_split.split([Kernel(a, ""), Kernel(b, ""), Kernel(c, "")], steps=2, window_ms=12.0)
+    ms = out["categories_ms"]
+    assert (ms["dense_gemm"], ms["swap_in"], ms["other"]) == (2.0, 2.0, 1.0)
+    assert ms["host_idle"] == 2.0  # (12 - 8) / 2 steps
+    assert out["top_kernels"][0]["name"] in ("nvjet_gemm", "hisparse_copy_host_rows")
+
+
+def test_a_cpu_trace_is_split_and_a_missing_one_is_an_error(tmp_path):
+    f = jax.jit(lambda x: jnp.tanh(x @ x).sum())
+    x = jnp.ones((64, 64))  # f32[64, 64]
+    f(x).block_until_ready()
+    with jax.profiler.trace(str(tmp_path)):
+        for _ in range(2):
+            f(x).block_until_ready()
+    out = step_split.summarize(str(tmp_path), steps=2)
+    assert "error" not in out, out
+    assert out["kernels"] > 0 and set(out["categories_ms"]) == {*step_split.CATEGORIES, "host_idle"}
+    missing = step_split.summarize(str(tmp_path / "none"), steps=2)
+    assert "error" in missing and sum(missing["categories_ms"].values()) == 0.0
