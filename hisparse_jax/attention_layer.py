@@ -124,12 +124,14 @@ def attention_layer(
     _check_step_inputs(state, layer, query, new_row, positions, "topk", topk)
     new_row = state.layout.to_stored(new_row)  # packed once: the device slot and the backup get the same bits
     state = state.write_newest(layer, new_row, positions)
-    state, plan = state.swap_in(layer, topk, lengths_from_positions(positions), implementation=implementation)
-    if backup:
-        state = state.backup_newest(layer, new_row, positions, implementation=implementation)
+    with jax.named_scope("swap_in"):  # scope names: where a profile's kernels belong (benchmarks/step_split.py)
+        state, plan = state.swap_in(layer, topk, lengths_from_positions(positions), implementation=implementation)
+        if backup:
+            state = state.backup_newest(layer, new_row, positions, implementation=implementation)
     if before_attention is not None:
         query = before_attention(state, plan, query)
-    out = _attend(state, query, layer, plan, latent_dim, sm_scale, implementation)
+    with jax.named_scope("attention"):
+        out = _attend(state, query, layer, plan, latent_dim, sm_scale, implementation)
     return state, out, LayerStepInfo(plan.num_hits, plan.num_misses, plan if record_plan else None)
 
 
@@ -177,15 +179,17 @@ def shared_attention_layer(
     state = state.write_newest(layer, new_row, positions)
     if isinstance(prefetched, PendingGather):  # this layer's compute (its query) waits, not earlier work
         prefetched, query = prefetched.wait(query)
-    if prefetched is not None:
-        state = state.replay_prefetched(layer, plan, prefetched)
-    else:
-        state = state.replay_swap_in(layer, plan, implementation=implementation)
-    if backup:
-        state = state.backup_newest(layer, new_row, positions, implementation=implementation)
+    with jax.named_scope("swap_in"):
+        if prefetched is not None:
+            state = state.replay_prefetched(layer, plan, prefetched)
+        else:
+            state = state.replay_swap_in(layer, plan, implementation=implementation)
+        if backup:
+            state = state.backup_newest(layer, new_row, positions, implementation=implementation)
     if before_attention is not None:
         query = before_attention(state, plan, query)
-    out = _attend(state, query, layer, plan, latent_dim, sm_scale, implementation)
+    with jax.named_scope("attention"):
+        out = _attend(state, query, layer, plan, latent_dim, sm_scale, implementation)
     return state, out, LayerStepInfo(plan.num_hits, plan.num_misses, plan)
 
 

@@ -112,8 +112,9 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [T, D] -> [T, D]."""
-        weights, experts = self.gate(x)
-        y = self.experts(x, weights, experts)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y
+        with jax.named_scope("moe"):  # the router, routed and shared experts (benchmarks/step_split.py reads it)
+            weights, experts = self.gate(x)
+            y = self.experts(x, weights, experts)
+            if self.shared_experts is not None:
+                y = y + self.shared_experts(x)
+            return y

@@ -250,9 +250,10 @@ def _decode_step(graphdef, params, cache, tokens, positions, topk, *, implementa
         if layer.self_attn.indexer is not None:
             j = config.indexer_cache_index(l)
             override = None if topk is None else topk[j]
-            index_keys, key_scales, selected, indexer_choice = _decode_indexer(
-                layer, x, q_resid, cos, sin, index_keys, key_scales, j, positions, override, indexer_implementation
-            )  # fmt: skip
+            with jax.named_scope("indexer"):  # scope names: where a profile's kernels belong (benchmarks/step_split.py)
+                index_keys, key_scales, selected, indexer_choice = _decode_indexer(
+                    layer, x, q_resid, cos, sin, index_keys, key_scales, j, positions, override, indexer_implementation
+                )  # fmt: skip
             indexer_selected.append(jnp.sum(indexer_choice >= 0, axis=1, dtype=jnp.int32))
             shared = config.shared_layers_after(l)
             hook = {}
