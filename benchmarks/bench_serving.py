@@ -180,7 +180,10 @@ def build() -> Setup:
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
         jax.block_until_ready(nnx.state(model))
         stats = jax.devices()[0].memory_stats() or {}
-        total = stats.get("bytes_limit", int(141e9))
+        # SGLang's fraction is of the whole device; JAX's bytes_limit is XLA_PYTHON_CLIENT_MEM_FRACTION
+        # (default 0.75) of it, and must itself hold the weights: run presets with that near 1
+        fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+        total = int(stats["bytes_limit"] / fraction) if "bytes_limit" in stats else int(141e9)
         if not FLAGS.smoke:  # the CPU has no device memory to share out: the smoke budget stays
             budget = int(FLAGS.mem_fraction_static * total) - weight_bytes
             per_layer_gb = budget / config.num_layers / 1e9
