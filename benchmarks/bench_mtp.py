@@ -68,6 +68,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from benchmarks import step_split  # noqa: E402
 from benchmarks.helpers import T0, attempt, bench_model_config, log, write_json  # noqa: E402
 from configs.speculative import SpeculativeConfig  # noqa: E402
 from hisparse_jax.config import HiSparseConfig  # noqa: E402
@@ -98,9 +99,42 @@ flags.DEFINE_integer("copy_passes", 8, "Most runs of the copying draft (each cop
 flags.DEFINE_integer("page_size", 64, "Tokens per host page (HiSparse).")
 flags.DEFINE_float("time_budget_s", 430.0, "Skip points and modes that would start past this many seconds.")
 flags.DEFINE_integer("seed", 0, "Weights, first tokens and synthetic contexts.")
+flags.DEFINE_integer("profile_steps", 0, "Trace this many steps (after the warm ones) of no_mtp and mtp at the first running count,"
+                     " split per step by benchmarks/step_split.py (0: off).")
 
 MODES = ("no_mtp", "mtp", "mtp_copy_draft")
 RESULTS: dict = {"device": None, "jax": jax.__version__, "config": {}, "rows": [], "checks": {}, "errors": []}
+
+
+class StepProfile:
+    """A profiler trace over steps warm .. warm + n - 1 of one run (the first of each (KV mode, mode)),
+    summarised by step_split into RESULTS["step_split"]. Steps here are synchronous (each reads
+    its tokens back), so the trace window is those steps' wall time."""
+
+    def __init__(self, label: str, mode: str, b: int):
+        self.on = FLAGS.profile_steps > 0 and mode != "mtp_copy_draft" and (label, mode) not in PROFILED
+        self.label, self.mode, self.b = label, mode, b
+        self.dir = os.path.join(FLAGS.output_dir, f"trace_{label.split()[0]}_{mode}")
+        self.started = None
+
+    def before(self, k: int) -> None:
+        if self.on and k == FLAGS.warm_steps:
+            jax.profiler.start_trace(self.dir)
+            self.started = time.perf_counter()
+
+    def after(self, k: int) -> None:
+        if self.on and self.started is not None and k == FLAGS.warm_steps + FLAGS.profile_steps - 1:
+            window_ms = (time.perf_counter() - self.started) * 1e3
+            jax.profiler.stop_trace()
+            PROFILED.add((self.label, self.mode))  # the first running count only
+            entry = dict(kv=self.label, mode=self.mode, running=self.b, **step_split.summarize(self.dir, FLAGS.profile_steps, window_ms))
+            RESULTS.setdefault("step_split", []).append(entry)
+            cats = entry.get("categories_ms", {})
+            log(f"  step split {self.label} {self.mode} running={self.b}: " + ", ".join(f"{c} {v:.2f}" for c, v in cats.items()) + " ms/step")
+            self.started = None
+
+
+PROFILED: set = set()
 
 
 def save():
@@ -272,12 +306,15 @@ class Bench:
         src = np.arange(b, dtype=np.int32)  # i32[b]: after the first step, each slot's input is its last token
         times, tokens, hits, misses = [], [], 0, 0
         previous = None
+        profile = StepProfile(setup.name, "no_mtp", b)
         for k in range(num_steps):
             feed = None if previous is None else TokenFeed(previous, src)  # the engine's device-side feed
+            profile.before(k)
             t = time.perf_counter()
             cache, _, result = runner.greedy_step(cache, x0, positions, feed=feed)
             next_tokens, h, m = jax.device_get(result)  # i32[R], i32[], i32[]
             times.append(time.perf_counter() - t)
+            profile.after(k)
             previous = result.next_tokens
             tokens.append(next_tokens[:b])
             positions = positions + 1
@@ -296,7 +333,9 @@ class Bench:
         carry = runner.empty_draft_state(b)._replace(bonus=jnp.asarray(self.first_tokens[:b]))
         committed = np.full(b, self.context, np.int32)  # i32[b]: c, tokens stored per request
         times, accepted, emitted, hits, misses = [], [], [[] for _ in range(b)], 0, 0
+        profile = StepProfile(setup.name, "mtp" if override is None else "mtp_copy_draft", b)
         for k in range(self.S):
+            profile.before(k)
             t = time.perf_counter()
             if override is None:
                 cache, result, carry = runner.speculative_greedy_step(cache, carry, committed)
@@ -306,6 +345,7 @@ class Bench:
                 carry = out.carry
                 tokens, acc, h, m = jax.device_get((out.tokens, out.num_accepted, out.num_hits, out.num_misses))  # .., i32[L + 1, b] x 2
             times.append(time.perf_counter() - t)
+            profile.after(k)
             h, m = np.sum(h), np.sum(m)  # as speculative_greedy_step sums them
             for r in range(b):
                 emitted[r].extend(tokens[r, : acc[r] + 1].tolist())

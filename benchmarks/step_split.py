@@ -178,6 +178,12 @@ def busy_ns(events: list[Event]) -> float:
     return total
 
 
+# Phases of a speculative step (models/dsa/speculative.py's named scopes), a second split of the same
+# kernels: where the MTP machinery's time goes.
+PHASES = ("mtp_draft", "mtp_verify", "mtp_commit", "mtp_extend")
+_PHASE = re.compile("|".join(PHASES))
+
+
 def split(kernels: list[Kernel], steps: int, window_ms: float | None) -> dict:
     """ms per step per category (+ host_idle), and the top kernels by time, from classified kernels."""
     steps = max(steps, 1)
@@ -185,7 +191,10 @@ def split(kernels: list[Kernel], steps: int, window_ms: float | None) -> dict:
     # (name, category) -> [ns, count, scope]: one kernel (a cuBLAS gemm, say) can serve ops of
     # several categories, each event is classified by its own scope
     per_name: dict[tuple[str, str], list] = {}
+    per_phase: dict[str, float] = {}
     for k in kernels:
+        if k.scope and (phase := _PHASE.search(k.scope)):
+            per_phase[phase.group(0)] = per_phase.get(phase.group(0), 0.0) + k.event.duration_ns
         category = classify(k.event.name, k.scope)
         entry = per_name.setdefault((k.event.name, category), [0.0, 0, k.scope])
         entry[0] += k.event.duration_ns
@@ -200,7 +209,7 @@ def split(kernels: list[Kernel], steps: int, window_ms: float | None) -> dict:
     return dict(
         steps=steps, window_ms_per_step=window_ns / 1e6 / steps, device_busy_ms_per_step=busy / 1e6 / steps,
         device_span_ms_per_step=span / 1e6 / steps, kernel_sum_ms_per_step=sum(per_category.values()) / 1e6 / steps,
-        kernels=len(kernels), categories_ms=categories,
+        kernels=len(kernels), categories_ms=categories, phases_ms={p: ns / 1e6 / steps for p, ns in per_phase.items()},
         top_kernels=[dict(name=n[:160], ms_per_step=ns / 1e6 / steps, count=c, category=cat, scope=scope[:240])
                      for (n, cat), (ns, c, scope) in top],
     )  # fmt: skip

@@ -194,7 +194,8 @@ def speculative_step(
     drafts, g = [carry.draft if override is None else override[:, 0]], carry.hidden
     for k in range(1, N):
         chain_positions = jnp.where(active, committed + k - 1, -1)[:, None]  # i32[b, 1]
-        g, logits, _, info = draft_step(model, state, drafts[-1][:, None], g[:, None], chain_positions, committed, implementation)
+        with jax.named_scope("mtp_draft"):  # phase names for a profile (benchmarks/step_split.py)
+            g, logits, _, info = draft_step(model, state, drafts[-1][:, None], g[:, None], chain_positions, committed, implementation)
         g = g[:, 0]
         drafts.append(jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32) if override is None else override[:, k])
         draft_hits, draft_misses = draft_hits + info.num_hits, draft_misses + info.num_misses
@@ -203,20 +204,23 @@ def speculative_step(
     # 2. Verify [x_c, d_1 .. d_N] at c .. c + N.
     tokens = jnp.concatenate([carry.bonus[:, None], draft_tokens], axis=1)  # i32[b, Q]
     positions = jnp.where(active[:, None], committed[:, None] + offsets, -1)  # i32[b, Q]
-    logits, normed, rows, hits, misses = verify(model, state, tokens, positions, committed, implementation)
+    with jax.named_scope("mtp_verify"):
+        logits, normed, rows, hits, misses = verify(model, state, tokens, positions, committed, implementation)
     target = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # i32[b, Q]
 
     # 3. Accept the longest agreeing prefix; keep its KV, drop the rest.
     agree = (draft_tokens == target[:, :N]).astype(jnp.int32)
     accepted = jnp.where(active, jnp.sum(jnp.cumprod(agree, axis=1), axis=1), 0)  # i32[b]
     kept = jnp.where(active, committed + accepted + 1, -1)  # i32[b]: the new lengths
-    state["kv"] = commit(state["kv"], rows + [None], positions, kept, implementation=implementation)
+    with jax.named_scope("mtp_commit"):
+        state["kv"] = commit(state["kv"], rows + [None], positions, kept, implementation=implementation)
 
     # 4. Extend: the MTP layer over the kept positions, with the tokens after them and the
     # target's hidden states there; its proposal from the last kept position is the next d_1.
     extend_positions = jnp.where(offsets[None, :] <= accepted[:, None], positions, -1)
-    g_all, draft_logits, draft_rows, info = draft_step(model, state, target, normed, extend_positions, committed, implementation)
-    state["kv"] = commit(state["kv"], [None] * L + [draft_rows], extend_positions, kept, implementation=implementation)
+    with jax.named_scope("mtp_extend"):
+        g_all, draft_logits, draft_rows, info = draft_step(model, state, target, normed, extend_positions, committed, implementation)
+        state["kv"] = commit(state["kv"], [None] * L + [draft_rows], extend_positions, kept, implementation=implementation)
     draft_hits, draft_misses = draft_hits + info.num_hits, draft_misses + info.num_misses
     next_draft = jnp.argmax(_at(draft_logits, accepted), axis=-1).astype(jnp.int32)
     carry = DraftState(_at(target, accepted), next_draft, _at(g_all, accepted))
