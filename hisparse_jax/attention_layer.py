@@ -43,9 +43,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.compute_on import compute_on
 
+from hisparse_jax.config import SHARED_PREFETCH_MODES
 from hisparse_jax.state import KVState, jit_donating_state
 from pallas_kernels.common import check_equal, check_layer_index, check_rank, resolve_implementation
-from pallas_kernels.side_stream_gather import PendingGather
+from pallas_kernels.side_stream_gather import PendingGather, can_build_gpu
 from pallas_kernels.sparse_mla_attention import sparse_mla_attention
 from pallas_kernels.swap_in import SwapInPlan
 
@@ -200,24 +201,26 @@ def shared_attention_layer(
 # "stream" through XLA's stream annotation (compute_on "gpu_stream:1"), "early" in the main stream
 # (XLA alone orders it), "off" replays in line.
 SHARED_PREFETCH_ENV = "HISPARSE_SHARED_PREFETCH"
-SHARED_PREFETCH_MODES = ("ffi_stream", "stream", "early", "off")
 SIDE_STREAM = "gpu_stream:1"  # XLA's stream annotation (compute_on); the main stream is 0
 
 
 def shared_prefetch_mode(mode: str | None = None, implementation: str | None = None) -> str:
-    """The prefetch mode: `mode`, else $HISPARSE_SHARED_PREFETCH, else "off" (in-line copies).
+    """The prefetch mode: `mode` (HiSparseConfig.shared_prefetch), else $HISPARSE_SHARED_PREFETCH,
+    else the default: "ffi_stream" on a CUDA GPU where nvcc is found (the GPU / reference
+    kernels), "off" (in-line copies) elsewhere.
 
     "ffi_stream" is the mode that overlaps on the H200 (docs/architecture.md, "Overlap"; it
-    builds a CUDA library with nvcc on first use). It stays opt-in until the layer-level test
-    that failed on the H200 (tests/test_attention_layer.py's ffi_stream case, before the fixes
-    noted there) passes there. "stream" and "early" are A/B modes: on JAX 0.11.2 XLA schedules
+    builds a CUDA library with nvcc on first use); its GPU tests all pass there
+    (benchmarks/gpu_tests_h200.sh: the one failing case is the "stream" mode's, XLA's own
+    stream annotation). "stream" and "early" are A/B modes: on JAX 0.11.2 XLA schedules
     the annotated call's start right before its done, so they overlap nothing. Every prefetch
     mode holds up to K rows per request of each pending shared layer on the device
     (DeviceFootprint counts them). The TPU kernels have no gather. Raises ValueError for an
     unknown mode."""
     chosen = mode or os.environ.get(SHARED_PREFETCH_ENV) or None
     if chosen is None:
-        return "off"
+        default_on = jax.default_backend() == "gpu" and resolve_implementation(implementation) != "tpu" and can_build_gpu()
+        return "ffi_stream" if default_on else "off"
     if chosen != "off" and resolve_implementation(implementation) == "tpu":
         raise ValueError(f"shared prefetch mode {chosen!r} needs the GPU / reference kernels: the TPU path has no gather yet")
     if chosen not in SHARED_PREFETCH_MODES:

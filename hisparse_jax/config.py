@@ -20,7 +20,11 @@ spelling, flat keys beside `"dynamic_residency": true`, is read as the same obje
      "dynamic_residency_promote_watermark": 0.5, "dynamic_residency_demote_watermark": 0.1}
 
 (a flat key left out takes ResidencyConfig's default, not SGLang's: SGLang's promote watermark is
-0.2). SGLang keys this library does not implement (dynamic_residency_max_tokens and the other
+0.2). "shared_prefetch" picks how shared-index layers (GLM-5.x's IndexShare) fetch their rows:
+"ffi_stream" (a CUDA stream of our own, overlapped with the anchor layer), "stream" / "early"
+(A/B modes), "off" (in line); left out, "ffi_stream" on a CUDA GPU that can build it (nvcc),
+else "off" (hisparse_jax.attention_layer.shared_prefetch_mode; $HISPARSE_SHARED_PREFETCH still
+overrides the default, for A/B runs). SGLang keys this library does not implement (dynamic_residency_max_tokens and the other
 admission limits, algorithm, backend, ...) are refused by name rather than ignored.
 """
 
@@ -34,6 +38,7 @@ _DEFAULT_TOP_K = 2048
 _DEFAULT_HOST_TO_DEVICE_RATIO = 2
 _DEFAULT_SWAP_IN_BLOCK_SIZE = 960
 _MAX_SWAP_IN_BLOCK_SIZE = 1024  # a CUDA thread block's limit; SGLang enforces the same range
+SHARED_PREFETCH_MODES = ("ffi_stream", "stream", "early", "off")  # shared-index layers' row fetch
 
 
 class HiSparseConfigError(ValueError):
@@ -151,10 +156,13 @@ class HiSparseConfig:
     host_to_device_ratio: int = _DEFAULT_HOST_TO_DEVICE_RATIO
     swap_in_block_size: int = _DEFAULT_SWAP_IN_BLOCK_SIZE
     dynamic_residency: ResidencyConfig | None = None  # None: every request host-backed
+    shared_prefetch: str | None = None  # one of SHARED_PREFETCH_MODES; None: the default (see above)
 
     def __post_init__(self):
+        if self.shared_prefetch is not None and self.shared_prefetch not in SHARED_PREFETCH_MODES:
+            raise HiSparseConfigError(f"shared_prefetch must be one of {SHARED_PREFETCH_MODES}, got {self.shared_prefetch!r}")
         for field in dataclasses.fields(self):
-            if field.name != "dynamic_residency":
+            if field.name not in ("dynamic_residency", "shared_prefetch"):
                 _require_positive_int(field.name, getattr(self, field.name))
         if isinstance(self.dynamic_residency, Mapping):  # to_json's nested object read back
             object.__setattr__(self, "dynamic_residency", ResidencyConfig.from_dict(self.dynamic_residency))

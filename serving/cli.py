@@ -192,15 +192,17 @@ def load_model(args: ServingArgs):
     return DSAForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(args.seed)), f"{args.model} (random weights)"
 
 
-def make_runner(model, args: ServingArgs):
-    """The engine's runner: the model family's (DeepSeek-V4, MiniMax-M3) or the DSA ModelRunner."""
+def make_runner(model, args: ServingArgs, shared_prefetch: str | None = None):
+    """The engine's runner: the model family's (DeepSeek-V4, MiniMax-M3) or the DSA ModelRunner
+    (shared_prefetch: --hisparse_config's key; None, the default)."""
     family = registry.family_of_config(model.config)
     if family.make_runner is not None:
         return family.make_runner(model, implementation=args.implementation)
     try:
         return ModelRunner(
-            model, implementation=args.implementation, parallel=args.parallel, kv_cache_dtype=args.kv_cache_dtype, speculative=args.speculative
-        )
+            model, implementation=args.implementation, parallel=args.parallel, kv_cache_dtype=args.kv_cache_dtype,
+            speculative=args.speculative, shared_prefetch=shared_prefetch,
+        )  # fmt: skip
     except ParallelConfigError as error:  # too few devices for the mesh
         raise UsageError(f"--tp_size/--dp_size/--enable_dp_attention: {error}") from None
 
@@ -282,7 +284,8 @@ def _footprint(config, args: ServingArgs, hisparse: HiSparseConfig | None):
     family = registry.family_of_config(config)
     if family.footprint is not None:  # DeepSeek-V4, MiniMax-M3: the runner's own count
         return family.footprint(config, DTYPES[args.dtype], hisparse)
-    prefetch = resolved_shared_prefetch(args.parallel, args.implementation)  # as the runner will
+    key = None if hisparse is None else hisparse.shared_prefetch
+    prefetch = resolved_shared_prefetch(args.parallel, args.implementation, key)  # as the runner will
     return DeviceFootprint.of(config, DTYPES[args.dtype], hisparse, args.kv_cache_dtype, prefetch, args.speculative)
 
 
@@ -292,7 +295,7 @@ def run_serving(args: ServingArgs) -> dict:
     hisparse, requests, context = prepared.hisparse, prepared.requests, prepared.context
     model, model_name, budget, budget_source = prepared.model, prepared.model_name, prepared.budget, prepared.budget_source
     concurrencies = args.max_concurrency or (args.max_running_requests,)
-    runner = make_runner(model, args)
+    runner = make_runner(model, args, None if hisparse is None else hisparse.shared_prefetch)
     os.makedirs(args.output_dir, exist_ok=True)
     prefix = "" if args.synthetic_topk_overlap is None else f"synthetic_overlap{args.synthetic_topk_overlap:g}_"
     results = dict(
@@ -389,7 +392,8 @@ def run_decode_instance(args: ServingArgs) -> dict:
     neither the wait for the prefill instance nor compilation is in them."""
     prepared = _prepare(args)
     hisparse = prepared.hisparse if args.enable_hisparse else None
-    runner = ModelRunner(prepared.model, implementation=args.implementation, kv_cache_dtype=args.kv_cache_dtype)
+    prefetch = None if hisparse is None else hisparse.shared_prefetch
+    runner = ModelRunner(prepared.model, implementation=args.implementation, kv_cache_dtype=args.kv_cache_dtype, shared_prefetch=prefetch)
     engine = _engine(runner, args, hisparse, prepared.context, prepared.budget)
     rows_kind = runner.host_memory_kind if hisparse is not None else memory.DEVICE  # host pool, or device KV
     _warm_decode_instance(engine, runner, args, rows_kind, prepared.context)

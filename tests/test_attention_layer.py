@@ -303,7 +303,16 @@ def test_backup_newest_rows_checks_its_layers(states):
 
 def test_shared_prefetch_mode(monkeypatch):
     monkeypatch.delenv("HISPARSE_SHARED_PREFETCH", raising=False)
-    assert shared_prefetch_mode() == "off"  # ffi_stream is opt-in until verified on the H200
+    assert shared_prefetch_mode() == "off"  # the default off a CUDA GPU
+    import hisparse_jax.attention_layer as attention_layer_module
+
+    monkeypatch.setattr(attention_layer_module.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(attention_layer_module, "can_build_gpu", lambda: True)
+    assert shared_prefetch_mode() == "ffi_stream"  # on a GPU that can build it: the default
+    assert shared_prefetch_mode(implementation="tpu") == "off"  # the TPU kernels have no gather
+    monkeypatch.setattr(attention_layer_module, "can_build_gpu", lambda: False)
+    assert shared_prefetch_mode() == "off"  # no nvcc: in line
+    monkeypatch.undo()
     monkeypatch.setenv("HISPARSE_SHARED_PREFETCH", "ffi_stream")
     assert shared_prefetch_mode() == "ffi_stream"
     monkeypatch.setenv("HISPARSE_SHARED_PREFETCH", "stream")

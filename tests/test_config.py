@@ -76,3 +76,13 @@ def test_sglang_flat_residency_keys_read_as_the_nested_object():
 def test_sglang_spellings_refused_by_name(text, message):
     with pytest.raises(HiSparseConfigError, match=message):
         HiSparseConfig.from_json(text)
+
+
+def test_shared_prefetch_key():
+    """--hisparse_config's "shared_prefetch" (the side-stream gather was an environment variable):
+    read, written back, None when left out (the default decides), refused by value."""
+    config = HiSparseConfig.from_json('{"top_k": 16, "shared_prefetch": "ffi_stream"}')
+    assert config.shared_prefetch == "ffi_stream" and HiSparseConfig.from_json(config.to_json()) == config
+    assert HiSparseConfig.from_json('{"top_k": 16}').shared_prefetch is None
+    with pytest.raises(HiSparseConfigError, match=r"shared_prefetch must be one of .* got 'sideways'"):
+        HiSparseConfig.from_json('{"shared_prefetch": "sideways"}')

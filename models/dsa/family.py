@@ -23,7 +23,10 @@ def _decode(checkpoint, prompts, max_new_tokens, *, dtype, hisparse, kv_cache_dt
     # The MTP layer is loaded only to speculate with it (configs.speculative.SpeculativeConfig).
     model = load_logged(checkpoint, lambda: loading.load_hf_checkpoint(checkpoint, dtype=dtype, load_mtp=speculative is not None, weights_dtype=weights_dtype))
     # parallel: a mesh (DP attention x TP, or TP replicas), the weights sharded over it as served
-    runner = ModelRunner(model, parallel=parallel, implementation=implementation, kv_cache_dtype=kv_cache_dtype, speculative=speculative)
+    prefetch = None if hisparse is None else hisparse.shared_prefetch  # --hisparse_config's key, else the default
+    runner = ModelRunner(
+        model, parallel=parallel, implementation=implementation, kv_cache_dtype=kv_cache_dtype, speculative=speculative, shared_prefetch=prefetch
+    )  # fmt: skip
     out = generate(runner, prompts, max_new_tokens, hisparse=hisparse, kv_cache_dtype=kv_cache_dtype, speculative=speculative)
     return DecodeOutput(out.tokens, out.logits, out.num_misses if hisparse is not None else None, out.num_accepted)
 

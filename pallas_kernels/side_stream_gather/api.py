@@ -71,6 +71,11 @@ def _find_nvcc() -> str | None:
     return next((c for c in candidates if c and os.path.exists(c)), None)
 
 
+def can_build_gpu() -> bool:
+    """Whether this machine can build the CUDA version (nvcc found): what a default may assume."""
+    return _find_nvcc() is not None
+
+
 def _build(source: Path, platform: str) -> Path:
     """The shared library of `source` for `platform` ("cuda" or "cpu"), compiled once per source hash."""
     include = jax.ffi.include_dir()
