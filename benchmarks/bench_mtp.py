@@ -11,8 +11,8 @@ and MoE shapes, --num_layers 4, --num_experts 16) with one MTP layer (num_nextn_
 RANDOM bf16 weights built on the device; fp8_e4m3 KV (656 B rows, fp8 indexer keys). KV: HiSparse
 (top_k = index_topk 2048, device_buffer_size 4096), then the full-KV baseline (--kv_modes).
 Contexts: SYNTHETIC, --context tokens of random KV rows and indexer keys per request (the MTP
-layer's too), written straight into the cache as serving.synthetic_fill does (no prefill; drawn
-per layer index, so the plain and the speculative caches hold the same model-layer contexts).
+layer's too), written straight into the cache by serving.synthetic_fill (no prefill; its draws do
+not depend on the layer count, so the plain and the speculative caches hold the same contexts).
 
 Per KV mode and running count b (--running: 1 and "capacity" = the requests of --context tokens
 that bench_serving's device KV budget, --kv_budget_gb_per_layer (0.62) x num_layers, holds with
@@ -53,7 +53,6 @@ and mtp_throughput.png, accepted_per_step.png (skipped without matplotlib).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import sys
 import textwrap
@@ -73,12 +72,12 @@ from benchmarks.helpers import T0, attempt, bench_model_config, log, write_json 
 from configs.speculative import SpeculativeConfig  # noqa: E402
 from hisparse_jax.config import HiSparseConfig  # noqa: E402
 from hisparse_jax.host_pages import HostPageAllocator  # noqa: E402
-from hisparse_jax.kv_cache_ops import begin_request, end_request, store_prefill_rows  # noqa: E402
+from hisparse_jax.kv_cache_ops import end_request  # noqa: E402
 from hisparse_jax.state import state_shardings  # noqa: E402
 from models.common.runner import TokenFeed  # noqa: E402
-from models.dsa.decoding import DecodeCache, cache_shardings, write_index_keys  # noqa: E402
 from models.dsa.model import DSAForCausalLM  # noqa: E402
 from models.dsa.runner import ModelRunner  # noqa: E402
+from serving.synthetic_fill import SyntheticFill  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("output_dir", os.environ.get("OUT", "outputs/bench_mtp"), "Where bench_mtp.json and the plots go.")
@@ -152,32 +151,6 @@ def step_stats(seconds) -> dict:
     return dict(mean=float(ms.mean()), p50=float(np.percentile(ms, 50)), p90=float(np.percentile(ms, 90)), n=int(ms.size))
 
 
-def _random_rows(key, num_positions: int, layout):
-    """row[T, W]: random latent and rope values packed as the state stores them (fp8: quantised)."""
-    values = jax.random.normal(key, (num_positions, layout.latent_dim + layout.rope_dim), jnp.float32)  # f32[T, latent + rope]
-    return layout.pack(values[:, : layout.latent_dim], values[:, layout.latent_dim :])
-
-
-def _fill(cache, slot, prompt_len, host_pages, key, *, num_positions: int, implementation):
-    """serving.synthetic_fill's fill, but each layer's rows and each key row drawn from its own
-    index alone (that one folds the keys' randomness with the cache's layer count): the plain
-    cache (no_mtp) and the speculative one (+ the MTP layer's KV and key row) then hold the same
-    model-layer contexts, so all three modes decode the same tokens. host_pages i32[P] or None."""
-    kv, index_keys, key_scales = cache.kv, cache.index_keys, cache.index_key_scales
-    J, _, C, I = index_keys.shape
-    kv = begin_request(kv, slot, prompt_len, host_pages)
-    for layer in range(kv.num_layers):  # the model's layers, then the MTP layer's (speculative cache)
-        rows = _random_rows(jax.random.fold_in(key, layer), num_positions, kv.layout)  # row[T, W]
-        kv = store_prefill_rows(kv, layer, slot, 0, rows, prompt_len, implementation=implementation)
-    positions = jnp.arange(num_positions)  # i32[T]
-    target = jnp.where(positions < prompt_len, positions, C)  # i32[T]; past the prompt: dropped
-    key_rows = jax.random.fold_in(key, 1 << 20)  # apart from the rows' keys whatever L is
-    for j in range(J):
-        keys = jax.random.normal(jax.random.fold_in(key_rows, j), (num_positions, I), jnp.float32)  # f32[T, I]
-        index_keys, key_scales = write_index_keys(index_keys, key_scales, j, slot, target, keys)
-    return DecodeCache(kv, index_keys, key_scales)
-
-
 class Slots:
     """One runner's cache of R slots (max_context tokens each) and what refills its first b
     with the same SYNTHETIC contexts every time (the fill's key is per slot)."""
@@ -194,8 +167,9 @@ class Slots:
             P = self.cache.kv.host_page_table.shape[1]
             self.pages = [HostPageAllocator.page_table_row(list(range(s * pages_per_request, (s + 1) * pages_per_request)), P)
                           for s in range(R)]  # fmt: skip
-        fill = functools.partial(_fill, num_positions=max_context, implementation=runner.implementation)
-        self._fill = jax.jit(fill, donate_argnums=0, out_shardings=cache_shardings(self.cache))
+        # serving.synthetic_fill: the same model-layer contexts in the plain cache (no_mtp) and the
+        # speculative one (+ the MTP layer's KV and key row), so all three modes decode the same tokens
+        self._fill = SyntheticFill(self.cache, implementation=runner.implementation)
         self._end = jax.jit(end_request, donate_argnums=0, out_shardings=state_shardings(self.cache.kv))
         self.filled = set()  # slots holding a request now
 

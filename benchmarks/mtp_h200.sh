@@ -7,10 +7,7 @@
 set -uo pipefail
 OUT=${OUT:-outputs/bench_mtp}
 mkdir -p "$OUT"
-export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=100 PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.9}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
+source benchmarks/gpu_wheels/env.sh
 # The script stops starting modes past BUDGET s and writes its JSON after every point; timeout
 # ends it before the device call's 600 s whatever a compile does.
 timeout ${MTP_TIMEOUT:-550} python3 benchmarks/bench_mtp.py --output_dir="$OUT" --time_budget_s=${BUDGET:-430} "$@" 2>&1 | tee "$OUT/bench_mtp.log" | grep -v "^WARNING:absl:Autotuning cache miss"

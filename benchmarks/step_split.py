@@ -109,32 +109,31 @@ def _xla_op_scopes(data) -> dict[str, str]:
     return out
 
 
+def _plane_events(data, prefix: str):
+    """(line, event, its stats) of every event on the planes whose name starts with `prefix`."""
+    for plane in data.planes:
+        if plane.name.startswith(prefix):
+            for line in plane.lines:
+                for event in line.events:
+                    yield line, event, _stats(event)
+
+
 def _kernel_scopes(data) -> dict[tuple[float, str], tuple[str, str]]:
     """(start_ns, name) -> (hlo_op, scope text), for the device planes' events that carry stats."""
     out = {}
-    for plane in data.planes:
-        if not plane.name.startswith("/device:"):
-            continue
-        for line in plane.lines:
-            for event in line.events:
-                stats = _stats(event)
-                text = _scope_text(stats)
-                if text:
-                    out[event.start_ns, event.name] = (str(stats.get("hlo_op", "")), text)
+    for _, event, stats in _plane_events(data, "/device:"):
+        if text := _scope_text(stats):
+            out[event.start_ns, event.name] = (str(stats.get("hlo_op", "")), text)
     return out
 
 
 def _cpu_thunks(data) -> list[Kernel]:
     """No device plane (CPU backend): the XLA thunks run on host threads, known by their hlo_op."""
-    out = []
-    for plane in data.planes:
-        if not plane.name.startswith("/host:"):
-            continue
-        for line in plane.lines:
-            for event in line.events:
-                stats = _stats(event)
-                if "hlo_op" in stats and event.duration_ns > 0:
-                    out.append(Kernel(Event(event.start_ns, event.duration_ns, event.name, line.name), _scope_text(stats)))
+    out = [
+        Kernel(Event(event.start_ns, event.duration_ns, event.name, line.name), _scope_text(stats))
+        for line, event, stats in _plane_events(data, "/host:")
+        if "hlo_op" in stats and event.duration_ns > 0
+    ]
     out.sort(key=lambda k: k.event.start_ns)
     return out
 

@@ -44,8 +44,11 @@ def _fill(cache, slot, prompt_len, host_pages, key, *, num_positions: int, imple
             kv = dp_sharding.store_prefill_rows(mesh, kv, layer, slot, 0, rows, prompt_len, implementation=implementation)
     positions = jnp.arange(num_positions)  # i32[T]
     target = jnp.where(positions < prompt_len, positions, C)  # i32[T]; past the prompt: dropped
+    # the keys' stream apart from the rows' whatever L is: a cache with an MTP layer (one more
+    # layer) holds the same model-layer contexts (benchmarks/bench_mtp.py compares the two)
+    key_rows = jax.random.fold_in(key, 1 << 20)
     for j in range(J):
-        keys = jax.random.normal(jax.random.fold_in(key, L + j), (num_positions, I), jnp.float32)  # f32[T, I]
+        keys = jax.random.normal(jax.random.fold_in(key_rows, j), (num_positions, I), jnp.float32)  # f32[T, I]
         index_keys, key_scales = write_index_keys(index_keys, key_scales, j, slot, target, keys)
     return DecodeCache(kv, index_keys, key_scales)
 

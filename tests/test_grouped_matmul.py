@@ -57,13 +57,9 @@ def test_pallas_bf16_equals_reference(sizes, config):
     assert np.all(np.asarray(out)[sum(sizes):] == 0)
 
 
-@pytest.mark.parametrize("transpose", [False, True], ids=["kn", "nk"])
-@pytest.mark.parametrize("config", CONFIGS, ids=["subtiles", "swap_ab", "split_k"])
-def test_pallas_fp8_writes_every_row_and_equals_reference(transpose, config):
-    """Output poisoned with NaN: every row of a group is written and equals the reference (which
-    multiplies the same dequantised weights), rows past the groups are zero."""
-    sizes = [3, 0, 40, 5]
-    lhs, values, scale, gs = random_case(2, sizes, M=sum(sizes) + 6, fp8=True, transpose=transpose)
+def fp8_kernel_and_reference(lhs, values, scale, gs, config, transpose, rows: int):
+    """The kernel (interpret mode) into a NaN-poisoned output and the w8a16 reference -> (out
+    f32[M, N], ref f32[M, N]); asserts the `rows` grouped rows were all written and the rest 0."""
     M = lhs.shape[0]
     poison = jnp.full((config.split_k, M, N) if config.split_k > 1 else (M, N), jnp.nan, jnp.float32)
     out = grouped_matmul_triton(
@@ -72,8 +68,19 @@ def test_pallas_fp8_writes_every_row_and_equals_reference(transpose, config):
     ref = grouped_matmul(lhs, values, gs, rhs_scale=scale, transpose_rhs=transpose, implementation="reference",
                          preferred_element_type=jnp.float32)  # fmt: skip
     out = np.asarray(out)
-    assert np.all(np.isfinite(out[: sum(sizes)])), "a row of some group was not written"
-    assert np.all(out[sum(sizes):] == 0)
+    assert np.all(np.isfinite(out[:rows])), "a row of some group was not written"
+    assert np.all(out[rows:] == 0)
+    return out, ref
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["kn", "nk"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["subtiles", "swap_ab", "split_k"])
+def test_pallas_fp8_writes_every_row_and_equals_reference(transpose, config):
+    """Output poisoned with NaN: every row of a group is written and equals the reference (which
+    multiplies the same dequantised weights), rows past the groups are zero."""
+    sizes = [3, 0, 40, 5]
+    lhs, values, scale, gs = random_case(2, sizes, M=sum(sizes) + 6, fp8=True, transpose=transpose)
+    out, ref = fp8_kernel_and_reference(lhs, values, scale, gs, config, transpose, sum(sizes))
     assert_close(out, ref, jnp.bfloat16)
 
 
@@ -91,20 +98,11 @@ def test_pallas_w8a8_equals_reference_over_quantised_rows(transpose, config):
     lhs, values, scale, gs = random_case(3, sizes, M=sum(sizes) + 6, fp8=True, transpose=transpose)
     lhs = lhs.at[1, : BLOCK[0]].multiply(64.0)  # row 1's first K block: its own scale
     M = lhs.shape[0]
-    cfg = config.replace(fp8_conversion="w8a8")
-    poison = jnp.full((cfg.split_k, M, N) if cfg.split_k > 1 else (M, N), jnp.nan, jnp.float32)
-    out = grouped_matmul_triton(
-        lhs, values, scale, gs, out_dtype=jnp.float32, config=cfg, interpret=True, transpose_rhs=transpose, output_init=poison
-    )  # fmt: skip
+    out, ref = fp8_kernel_and_reference(lhs, values, scale, gs, config.replace(fp8_conversion="w8a8"), transpose, sum(sizes))
     q, q_scale = quantize_rows(lhs, BLOCK[0])  # f8[M, K], f32[M, K / 128]
     lhs_q = (q.astype(jnp.float32).reshape(M, -1, BLOCK[0]) * q_scale[..., None]).reshape(M, K)  # f32[M, K]
     ref_q = grouped_matmul(lhs_q, values, gs, rhs_scale=scale, transpose_rhs=transpose, implementation="reference",
                            preferred_element_type=jnp.float32)  # fmt: skip
-    ref = grouped_matmul(lhs, values, gs, rhs_scale=scale, transpose_rhs=transpose, implementation="reference",
-                         preferred_element_type=jnp.float32)  # fmt: skip
-    out = np.asarray(out)
-    assert np.all(np.isfinite(out[: sum(sizes)])), "a row of some group was not written"
-    assert np.all(out[sum(sizes):] == 0)
     assert_close(out, ref_q, jnp.float32)
     rel = np.max(np.abs(out - np.asarray(ref))) / np.max(np.abs(np.asarray(ref)))
     assert 1e-4 < rel < 0.05, rel  # e4m3 activations: a few percent at most, and not the w8a16 numbers
