@@ -34,6 +34,7 @@ segments that would not finish within --time_budget_s.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import shutil
@@ -269,8 +270,10 @@ def point_metrics(result, warm: int) -> dict:
 
 
 class Engines:
-    """The benchmark's engines, created on first use and kept (both modes fit the GPU at once),
-    each warmed once per selection (one decode compile each)."""
+    """The benchmark's engines, created on first use and kept (both modes fit the GPU at once:
+    the bench model's budgets are small; a preset's budget is all the memory its weights leave,
+    so there the previous engine is dropped first), each warmed once per selection (one decode
+    compile each)."""
 
     def __init__(self, setup: Setup, concurrency: list[int]):
         self.setup = setup
@@ -293,6 +296,10 @@ class Engines:
     def get(self, mode: str, slots: int, overlap: float | None) -> Engine:
         setup = self.setup
         if (mode, slots) not in self._engines:
+            if FLAGS.preset and self._engines:  # a rank's budget is what its weights leave: one engine's KV at a time
+                self._engines.clear()
+                self._warm = set()
+                gc.collect()
             self._engines[mode, slots] = engine = Engine(
                 setup.runner,
                 EngineConfig(max_running_requests=slots, context_length=setup.context,
