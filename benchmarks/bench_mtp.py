@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import sys
 import textwrap
 import time
@@ -126,7 +127,9 @@ class StepProfile:
             window_ms = (time.perf_counter() - self.started) * 1e3
             jax.profiler.stop_trace()
             PROFILED.add((self.label, self.mode))  # the first running count only
-            entry = dict(kv=self.label, mode=self.mode, running=self.b, **step_split.summarize(self.dir, FLAGS.profile_steps, window_ms))
+            op_names = step_split.hlo_op_names(hlo_dump_dir())  # the step's fusions -> their scopes (and phases)
+            split = step_split.summarize(self.dir, FLAGS.profile_steps, window_ms, op_names)
+            entry = dict(kv=self.label, mode=self.mode, running=self.b, **split)
             RESULTS.setdefault("step_split", []).append(entry)
             cats = entry.get("categories_ms", {})
             log(f"  step split {self.label} {self.mode} running={self.b}: " + ", ".join(f"{c} {v:.2f}" for c, v in cats.items()) + " ms/step")
@@ -134,6 +137,10 @@ class StepProfile:
 
 
 PROFILED: set = set()
+
+
+def hlo_dump_dir() -> str:
+    return os.path.join(FLAGS.output_dir, "hlo_dump")
 
 
 def save():
@@ -493,7 +500,9 @@ def main(argv):
     del argv
     if FLAGS.warm_steps < 1 or FLAGS.steps < 1:
         raise app.UsageError("--warm_steps and --steps must be >= 1 (the first step compiles)")
-    RESULTS["device"] = str(jax.devices()[0].device_kind)
+    if FLAGS.profile_steps > 0:  # the decode programs' HLO, so the profile's kernels find their scopes
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {step_split.dump_flags(hlo_dump_dir())}".strip()
+    RESULTS["device"] = str(jax.devices()[0].device_kind)  # the backend starts here, with those flags
     log(f"jax {jax.__version__} on {jax.devices()}")
     bench = attempt(RESULTS["errors"], "build", Bench)
     save()
@@ -519,6 +528,7 @@ def main(argv):
         setup.plain.cache = setup.speculative.cache = None  # the next mode's caches take their place
     save()
     attempt(RESULTS["errors"], "plot", plot)
+    shutil.rmtree(hlo_dump_dir(), ignore_errors=True)  # read by the profiles; large
     log(f"done in {time.perf_counter() - T0:.0f}s; errors: {len(RESULTS['errors'])}")
     for r in RESULTS["rows"]:
         print(f"{r['kv']:>8} running={r['running']:>3} {r['mode']:>15}: {r['step_ms']['mean']:8.2f} ms/step"

@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import glob
 import json
 import os
 import shutil
+import tarfile
 import sys
 import time
 import traceback
@@ -128,6 +130,7 @@ KV_BUDGET_GB_PER_LAYER = 0.62
 SMOKE_KV_BUDGET_GB_PER_LAYER = 0.00025
 
 RESULTS: dict = {"device": None, "setup": {}, "points": [], "phases": [], "errors": [], "step_split": []}
+HLO_DUMP_DIR: str | None = None  # with --profile_steps: where XLA dumps the decode programs' HLO
 T0 = time.perf_counter()
 
 
@@ -373,7 +376,8 @@ def profile_point(engines: Engines, mode: str, running: int, overlap: float | No
     try:
         with step_split.DecodeTrace(engine, trace_dir, FLAGS.warm_steps, FLAGS.profile_steps) as probe:
             engine.run(requests, max_concurrency=running)
-        entry = step_split.summarize(trace_dir, probe.traced_steps, probe.window_ms)
+        op_names = step_split.hlo_op_names(HLO_DUMP_DIR) if HLO_DUMP_DIR else None  # the step's fusions -> their scopes
+        entry = step_split.summarize(trace_dir, probe.traced_steps, probe.window_ms, op_names)
     except Exception as error:  # the split is an extra: keep the points
         entry = dict(error=repr(error), trace=traceback.format_exc()[-2000:])
     entry = dict(mode=mode, running=running, context=engines.setup.context, trace_dir=trace_dir,
@@ -510,7 +514,11 @@ def main(_):
         draw()
         log("plots written to", FLAGS.output_dir)
         return
-    RESULTS["device"] = str(jax.devices()[0].device_kind)
+    if FLAGS.profile_steps > 0:  # the decode programs' HLO, so the profile's kernels find their scopes
+        global HLO_DUMP_DIR
+        HLO_DUMP_DIR = os.path.join(FLAGS.output_dir, "hlo_dump")
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {step_split.dump_flags(HLO_DUMP_DIR)}".strip()
+    RESULTS["device"] = str(jax.devices()[0].device_kind)  # the backend starts here, with those flags
     RESULTS["jax"] = jax.__version__
     log(f"jax {jax.__version__} on {jax.devices()}")
     setup = build()
@@ -584,6 +592,12 @@ def main(_):
         log(f"{r['phase']:11s} c={r['max_concurrency']:4d} running (hisparse, baseline) {r['running']}: hisparse / baseline = {r['ratio']:.2f}x")
     draw()
     save()
+    if HLO_DUMP_DIR and os.path.isdir(HLO_DUMP_DIR):  # keep XLA's memory reports (one small file), drop the dump
+        reports = sorted(glob.glob(os.path.join(HLO_DUMP_DIR, "*memory-usage-report.txt")))
+        with tarfile.open(os.path.join(FLAGS.output_dir, "hlo_memory_reports.tar.gz"), "w:gz") as tar:
+            for path in reports:
+                tar.add(path, arcname=os.path.basename(path))
+        shutil.rmtree(HLO_DUMP_DIR, ignore_errors=True)
     log("done; wrote", os.path.join(FLAGS.output_dir, "bench_serving.json"))
 
 

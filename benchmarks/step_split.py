@@ -109,6 +109,30 @@ def _xla_op_scopes(data) -> dict[str, str]:
     return out
 
 
+DUMP_MODULES = "greedy_decode_step|speculative_step"  # the decode programs whose HLO is dumped (XLA_FLAGS)
+_HLO_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{[^}]*op_name=\"([^\"]*)\"")
+
+
+def dump_flags(dump_dir: str) -> str:
+    """XLA_FLAGS that dump the decode programs' optimised HLO as text into dump_dir (set before
+    JAX starts its backend): what hlo_op_names reads."""
+    return (f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"
+            f" --xla_dump_hlo_module_re=.*({DUMP_MODULES}).*")  # fmt: skip
+
+
+def hlo_op_names(dump_dir: str) -> dict[str, str]:
+    """HLO instruction name -> its op_name metadata (the jax.named_scope path), from the optimised
+    HLO dumps under dump_dir: a trace's kernel names its hlo_op (a fusion, say), the dump says
+    which scope that fusion came from. Names repeated across dumps (buckets) keep the first."""
+    out: dict[str, str] = {}
+    for path in sorted(glob.glob(os.path.join(dump_dir, "*after_optimizations.txt"))):
+        with open(path, errors="replace") as f:
+            for line in f:
+                if (match := _HLO_LINE.match(line)) and match.group(1) not in out:
+                    out[match.group(1)] = match.group(2)
+    return out
+
+
 def _plane_events(data, prefix: str):
     """(line, event, its stats) of every event on the planes whose name starts with `prefix`."""
     for plane in data.planes:
@@ -127,10 +151,11 @@ def _kernel_scopes(data) -> dict[tuple[float, str], tuple[str, str]]:
     return out
 
 
-def _cpu_thunks(data) -> list[Kernel]:
+def _cpu_thunks(data, op_names: dict[str, str]) -> list[Kernel]:
     """No device plane (CPU backend): the XLA thunks run on host threads, known by their hlo_op."""
     out = [
-        Kernel(Event(event.start_ns, event.duration_ns, event.name, line.name), _scope_text(stats))
+        Kernel(Event(event.start_ns, event.duration_ns, event.name, line.name),
+               f"{_scope_text(stats)} {op_names.get(str(stats['hlo_op']), '')}".strip())  # fmt: skip
         for line, event, stats in _plane_events(data, "/host:")
         if "hlo_op" in stats and event.duration_ns > 0
     ]
@@ -138,26 +163,29 @@ def _cpu_thunks(data) -> list[Kernel]:
     return out
 
 
-def load_kernels(trace_dir: str) -> tuple[list[Kernel], dict]:
-    """The device's kernels (or the CPU's thunks) of the newest .xplane.pb under trace_dir."""
+def load_kernels(trace_dir: str, op_names: dict[str, str] | None = None) -> tuple[list[Kernel], dict]:
+    """The device's kernels (or the CPU's thunks) of the newest .xplane.pb under trace_dir, each
+    with what the trace says of its op, plus its op_name from `op_names` (hlo_op_names)."""
+    op_names = op_names or {}
     paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     if not paths:
         raise FileNotFoundError(f"no .xplane.pb under {trace_dir}")
     path = max(paths, key=os.path.getmtime)
     data = jax.profiler.ProfileData.from_file(path)
     events, info = device_events(data)
-    info = dict(file=os.path.relpath(path, trace_dir), planes=info.get("planes", []), lines=sorted(set(info.get("lines", [])))[:40])
+    info = dict(file=os.path.relpath(path, trace_dir), planes=info.get("planes", []), lines=sorted(set(info.get("lines", [])))[:40],
+                hlo_op_names=len(op_names))  # fmt: skip
     if events:
         by_kernel, by_op = _kernel_scopes(data), _xla_op_scopes(data)
 
         def scope_of(e: Event) -> str:  # its own stats, plus those of its hlo_op's "XLA Ops" event
             hlo_op, own = by_kernel.get((e.start_ns, e.name), ("", ""))
-            return f"{own} {by_op.get(hlo_op or e.name, '')}".strip()
+            return f"{own} {by_op.get(hlo_op or e.name, '')} {op_names.get(hlo_op or e.name, '')}".strip()
 
         kernels = [Kernel(e, scope_of(e)) for e in events]
         info["source"] = "device stream lines"
     else:
-        kernels = _cpu_thunks(data)
+        kernels = _cpu_thunks(data, op_names)
         info["source"] = "host XLA thunks (no device plane)"
         info["note"] = "CPU: a while/call thunk spans its body's thunks, so category sums can exceed the busy time"
     return kernels, info
@@ -214,11 +242,11 @@ def split(kernels: list[Kernel], steps: int, window_ms: float | None) -> dict:
     )  # fmt: skip
 
 
-def summarize(trace_dir: str, steps: int, window_ms: float | None = None) -> dict:
+def summarize(trace_dir: str, steps: int, window_ms: float | None = None, op_names: dict[str, str] | None = None) -> dict:
     """split() of the trace under trace_dir; never raises: a failure is returned as {"error": ...}
     with zeroed categories, so a benchmark's JSON keeps its shape."""
     try:
-        kernels, info = load_kernels(trace_dir)
+        kernels, info = load_kernels(trace_dir, op_names)
         return dict(split(kernels, steps, window_ms), trace=info)
     except Exception as error:  # a missing or unreadable trace must not end the benchmark
         zeros = {c: 0.0 for c in (*CATEGORIES, "host_idle")}
