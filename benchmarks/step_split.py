@@ -120,17 +120,32 @@ def dump_flags(dump_dir: str) -> str:
             f" --xla_dump_hlo_module_re=.*({DUMP_MODULES}).*")  # fmt: skip
 
 
-def hlo_op_names(dump_dir: str) -> dict[str, str]:
-    """HLO instruction name -> its op_name metadata (the jax.named_scope path), from the optimised
-    HLO dumps under dump_dir: a trace's kernel names its hlo_op (a fusion, say), the dump says
-    which scope that fusion came from. Names repeated across dumps (buckets) keep the first."""
-    out: dict[str, str] = {}
+def hlo_op_names(dump_dir: str) -> dict:
+    """HLO instruction -> its op_name metadata (the jax.named_scope path), from the optimised HLO
+    dumps under dump_dir: a trace's kernel names its hlo_op (a fusion, say) and its program_id
+    (the dump file's module_NNNN), the dump says which scope that fusion came from. Keys:
+    (program_id, name), and the bare name for a trace without program ids (the first dump's)."""
+    out: dict = {}
     for path in sorted(glob.glob(os.path.join(dump_dir, "*after_optimizations.txt"))):
+        module = re.match(r"module_(\d+)\.", os.path.basename(path))
+        program_id = int(module.group(1)) if module else None
         with open(path, errors="replace") as f:
             for line in f:
-                if (match := _HLO_LINE.match(line)) and match.group(1) not in out:
-                    out[match.group(1)] = match.group(2)
+                if match := _HLO_LINE.match(line):
+                    name, op_name = match.groups()
+                    out[program_id, name] = op_name
+                    out.setdefault(name, op_name)
     return out
+
+
+def _op_name(op_names: dict, stats: dict, fallback: str = "") -> str:
+    """The dumped op_name of the event with these stats (by program_id and hlo_op, else hlo_op)."""
+    hlo_op = str(stats.get("hlo_op", fallback))
+    try:
+        program_id = int(stats["program_id"])
+    except (KeyError, TypeError, ValueError):
+        program_id = None
+    return op_names.get((program_id, hlo_op)) or op_names.get(hlo_op, "")
 
 
 def _plane_events(data, prefix: str):
@@ -142,12 +157,13 @@ def _plane_events(data, prefix: str):
                     yield line, event, _stats(event)
 
 
-def _kernel_scopes(data) -> dict[tuple[float, str], tuple[str, str]]:
-    """(start_ns, name) -> (hlo_op, scope text), for the device planes' events that carry stats."""
+def _kernel_scopes(data, op_names: dict) -> dict[tuple[float, str], tuple[str, str]]:
+    """(start_ns, name) -> (hlo_op, scope text incl. the dumped op_name), for the device planes'
+    events that carry stats."""
     out = {}
     for _, event, stats in _plane_events(data, "/device:"):
         if text := _scope_text(stats):
-            out[event.start_ns, event.name] = (str(stats.get("hlo_op", "")), text)
+            out[event.start_ns, event.name] = (str(stats.get("hlo_op", "")), f"{text} {_op_name(op_names, stats)}".strip())
     return out
 
 
@@ -155,7 +171,7 @@ def _cpu_thunks(data, op_names: dict[str, str]) -> list[Kernel]:
     """No device plane (CPU backend): the XLA thunks run on host threads, known by their hlo_op."""
     out = [
         Kernel(Event(event.start_ns, event.duration_ns, event.name, line.name),
-               f"{_scope_text(stats)} {op_names.get(str(stats['hlo_op']), '')}".strip())  # fmt: skip
+               f"{_scope_text(stats)} {_op_name(op_names, stats)}".strip())  # fmt: skip
         for line, event, stats in _plane_events(data, "/host:")
         if "hlo_op" in stats and event.duration_ns > 0
     ]
@@ -163,7 +179,7 @@ def _cpu_thunks(data, op_names: dict[str, str]) -> list[Kernel]:
     return out
 
 
-def load_kernels(trace_dir: str, op_names: dict[str, str] | None = None) -> tuple[list[Kernel], dict]:
+def load_kernels(trace_dir: str, op_names: dict | None = None) -> tuple[list[Kernel], dict]:
     """The device's kernels (or the CPU's thunks) of the newest .xplane.pb under trace_dir, each
     with what the trace says of its op, plus its op_name from `op_names` (hlo_op_names)."""
     op_names = op_names or {}
@@ -176,11 +192,12 @@ def load_kernels(trace_dir: str, op_names: dict[str, str] | None = None) -> tupl
     info = dict(file=os.path.relpath(path, trace_dir), planes=info.get("planes", []), lines=sorted(set(info.get("lines", [])))[:40],
                 hlo_op_names=len(op_names))  # fmt: skip
     if events:
-        by_kernel, by_op = _kernel_scopes(data), _xla_op_scopes(data)
+        by_kernel, by_op = _kernel_scopes(data, op_names), _xla_op_scopes(data)
 
         def scope_of(e: Event) -> str:  # its own stats, plus those of its hlo_op's "XLA Ops" event
             hlo_op, own = by_kernel.get((e.start_ns, e.name), ("", ""))
-            return f"{own} {by_op.get(hlo_op or e.name, '')} {op_names.get(hlo_op or e.name, '')}".strip()
+            dumped = "" if own else op_names.get(hlo_op or e.name, "")  # no stats at all: by the kernel's name
+            return f"{own} {by_op.get(hlo_op or e.name, '')} {dumped}".strip()
 
         kernels = [Kernel(e, scope_of(e)) for e in events]
         info["source"] = "device stream lines"
@@ -242,7 +259,7 @@ def split(kernels: list[Kernel], steps: int, window_ms: float | None) -> dict:
     )  # fmt: skip
 
 
-def summarize(trace_dir: str, steps: int, window_ms: float | None = None, op_names: dict[str, str] | None = None) -> dict:
+def summarize(trace_dir: str, steps: int, window_ms: float | None = None, op_names: dict | None = None) -> dict:
     """split() of the trace under trace_dir; never raises: a failure is returned as {"error": ...}
     with zeroed categories, so a benchmark's JSON keeps its shape."""
     try:

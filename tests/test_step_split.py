@@ -50,9 +50,9 @@ def test_a_cpu_trace_is_split_and_a_missing_one_is_an_error(tmp_path):
 
 
 def test_hlo_op_names_read_the_optimised_dump(tmp_path):
-    """A kernel's hlo_op (a fusion's name) -> its op_name (the named-scope path) from XLA's text
-    dump; other passes' files, lines without metadata and repeated names (buckets) ignored."""
-    dump = tmp_path / "module_0001.jit__greedy_decode_step.sm_9.0_gpu_after_optimizations.txt"
+    """A kernel's (program_id, hlo_op) -> its op_name (the named-scope path) from XLA's text dump
+    (module_NNNN is the program id); other passes' files and lines without metadata ignored."""
+    dump = tmp_path / "module_0011.jit__greedy_decode_step.sm_9.0_gpu_after_optimizations.txt"
     dump.write_text(
         "ENTRY %main {\n"
         '  %loop_fusion.3 = bf16[8,64]{1,0} fusion(%p0), kind=kLoop, calls=%fc, metadata={op_name="jit(step)/moe/dot_general" stack_frame_id=3}\n'
@@ -60,13 +60,17 @@ def test_hlo_op_names_read_the_optimised_dump(tmp_path):
         '  %wrapped_scatter = u32[4,8]{1,0} fusion(%p1), kind=kLoop, metadata={op_name="jit(step)/swap_in/scatter"}\n'
         "}\n"
     )  # fmt: skip
-    (tmp_path / "module_0002.jit__greedy_decode_step.sm_9.0_gpu_after_optimizations.txt").write_text(
+    (tmp_path / "module_0012.jit__greedy_decode_step.sm_9.0_gpu_after_optimizations.txt").write_text(
         '  %loop_fusion.3 = f32[2] fusion(%p0), metadata={op_name="jit(step)/attention/other_bucket"}\n'
     )
     (tmp_path / "module_0001.jit__greedy_decode_step.before_optimizations.txt").write_text(
         '  %loop_fusion.9 = f32[2] add(%a, %b), metadata={op_name="jit(step)/attention/add"}\n'
     )
     names = step_split.hlo_op_names(str(tmp_path))
-    assert names == {"loop_fusion.3": "jit(step)/moe/dot_general", "wrapped_scatter": "jit(step)/swap_in/scatter"}
-    assert step_split.classify("loop_fusion.3", names["loop_fusion.3"]) == "moe"
+    assert names[11, "loop_fusion.3"] == "jit(step)/moe/dot_general" and names[11, "wrapped_scatter"] == "jit(step)/swap_in/scatter"
+    assert names[12, "loop_fusion.3"] == "jit(step)/attention/other_bucket"  # the same name in another program
+    assert names["loop_fusion.3"] == "jit(step)/moe/dot_general"  # no program id in the trace: the first dump's
+    assert not any("loop_fusion.9" in str(k) for k in names)  # not from before_optimizations
+    assert step_split._op_name(names, {"hlo_op": "loop_fusion.3", "program_id": "12"}) == "jit(step)/attention/other_bucket"
+    assert step_split.classify("loop_fusion.3", names[11, "loop_fusion.3"]) == "moe"
     assert "--xla_dump_hlo_module_re=" in step_split.dump_flags(str(tmp_path))
