@@ -46,6 +46,11 @@ and bf16 rounds a 4-token verify differently from a 1-token step): mtp_copy_draf
 num_steps at every step, its emitted tokens (first pass) and mtp's equal no_mtp's. --smoke runs
 float32 (--dtype), where all of them hold exactly, at capacity 2 only (one compile set per KV mode).
 
+--profile_steps N traces N steps of no_mtp and of mtp at the first running count and splits them
+(benchmarks/step_split.py: attention, indexer, MoE, dense GEMMs, swap-in, other, host idle; the
+speculative step also by phase, from the mtp_draft / mtp_verify / mtp_commit / mtp_extend scopes,
+found through XLA's HLO dump, which the script turns on and deletes): JSON "step_split".
+
 Writes $OUT/bench_mtp.json after every point (device, jax version, config, rows, checks, errors)
 and mtp_throughput.png, accepted_per_step.png (skipped without matplotlib).
 """
