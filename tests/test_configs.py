@@ -156,3 +156,14 @@ def test_shared_first_layer_and_missing_file_are_rejected(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="cannot read model config"):
         DSAModelConfig.from_hf_config(tmp_path)
+
+
+def test_deepseek_v32_bench_is_the_full_attention_on_few_layers():
+    """The built-in the benchmarks and PD's H200 run use: DeepSeek-V3.2's attention and indexer
+    widths (real KV row sizes), 4 layers (one dense), 16 routed experts, no MTP layer."""
+    bench, full = DSAModelConfig.deepseek_v32_bench(), DSAModelConfig.deepseek_v32()
+    for field in ("num_heads", "kv_lora_rank", "qk_rope_head_dim", "index_n_heads", "index_head_dim", "index_topk", "hidden_size"):
+        assert getattr(bench, field) == getattr(full, field), field
+    assert (bench.num_layers, bench.n_routed_experts, bench.num_nextn_predict_layers) == (4, 16, 0)
+    assert bench.mlp_layer_types == ("dense", "sparse", "sparse", "sparse")
+    assert DSAModelConfig.deepseek_v32_bench(8, 32).n_routed_experts == 32
