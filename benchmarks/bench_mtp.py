@@ -58,6 +58,7 @@ and mtp_throughput.png, accepted_per_step.png (skipped without matplotlib).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import sys
@@ -104,6 +105,7 @@ flags.DEFINE_integer("copy_passes", 8, "Most runs of the copying draft (each cop
 flags.DEFINE_integer("page_size", 64, "Tokens per host page (HiSparse).")
 flags.DEFINE_float("time_budget_s", 430.0, "Skip points and modes that would start past this many seconds.")
 flags.DEFINE_integer("seed", 0, "Weights, first tokens and synthetic contexts.")
+flags.DEFINE_string("replot", None, "Only redraw the plots of this bench_mtp.json into --output_dir (no JAX work).")
 flags.DEFINE_integer("profile_steps", 0, "Trace this many steps (after the warm ones) of no_mtp and mtp at the first running count,"
                      " split per step by benchmarks/step_split.py (0: off).")
 
@@ -503,6 +505,13 @@ KNOWN_FLAGS = ("context", "running", "capacity", "kv_budget_gb_per_layer", "kv_m
 
 def main(argv):
     del argv
+    if FLAGS.replot:  # e.g. here, from a GPU run's JSON (the device run keeps only its JSON)
+        with open(FLAGS.replot) as f:
+            RESULTS.update(json.load(f))
+        os.makedirs(FLAGS.output_dir, exist_ok=True)
+        plot()
+        log("plots written to", FLAGS.output_dir)
+        return
     if FLAGS.warm_steps < 1 or FLAGS.steps < 1:
         raise app.UsageError("--warm_steps and --steps must be >= 1 (the first step compiles)")
     if FLAGS.profile_steps > 0:  # the decode programs' HLO, so the profile's kernels find their scopes
