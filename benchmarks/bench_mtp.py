@@ -67,6 +67,9 @@ import time
 
 os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "100")  # pinned pool past JAX's 64 GB default
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hisparse_jax.memory import add_host_pool_xla_flags  # noqa: E402
+
+add_host_pool_xla_flags()  # before JAX starts: XLA's remat must not count the pinned pool
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

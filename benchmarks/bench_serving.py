@@ -37,6 +37,7 @@ import dataclasses
 import gc
 import glob
 import json
+import math
 import os
 import shutil
 import tarfile
@@ -46,6 +47,9 @@ import traceback
 
 os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "100")  # pinned pool past JAX's 64 GB default
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hisparse_jax.memory import add_host_pool_xla_flags  # noqa: E402
+
+add_host_pool_xla_flags()  # before JAX starts: XLA's remat must not count the pinned pool
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -174,6 +178,12 @@ def build() -> Setup:
     context = 256 if FLAGS.smoke else FLAGS.context  # = host_to_device_ratio x B: one context per slot
     if FLAGS.smoke:
         hisparse = HiSparseConfig(top_k=config.index_topk, device_buffer_size=2 * config.index_topk, host_to_device_ratio=8)
+    elif FLAGS.preset and hisparse.host_to_device_ratio * hisparse.device_buffer_size < context:
+        # A rank's capacity is every slot at `context` tokens: the host pool must hold that many
+        # contexts (at 40k and B = 4096 the default ratio 8 held 40 of 50: 2026-12-03).
+        ratio = math.ceil(context / hisparse.device_buffer_size)
+        log(f"preset: host_to_device_ratio {hisparse.host_to_device_ratio} -> {ratio}, so every slot's {context}-token context fits")
+        hisparse = dataclasses.replace(hisparse, host_to_device_ratio=ratio)
     per_layer_gb = FLAGS.kv_budget_gb_per_layer or (SMOKE_KV_BUDGET_GB_PER_LAYER if FLAGS.smoke else KV_BUDGET_GB_PER_LAYER)
     budget = int(per_layer_gb * 1e9 * config.num_layers)
     kv_cache_dtype = FLAGS.kv_cache_dtype
@@ -535,6 +545,8 @@ def main(_):
 
     overlap = FLAGS.synthetic_topk_overlap if FLAGS.synthetic_topk_overlap >= 0 else None
     modes = (("hisparse", cap_h), ("baseline", cap_b))
+    if FLAGS.preset:  # the baseline's (cheaper) point and split first: a ratio needs both within one device call
+        modes = modes[::-1]
     plan = []  # (phase, mode, slots, overlap, concurrencies), most important first
     # The headline first: SYNTHETIC selection at capacity and below it (c = 1, 4, ...) in the
     # same engines, then the model's (random-weight) selection as the pessimistic bound.

@@ -12,10 +12,29 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 PINNED_HOST = "pinned_host"
 DEVICE = "device"
+
+# XLA's GPU rematerialisation counts a program's pinned_host arguments as device memory: a
+# full-depth rank (102.6 GB of weights, a 65.6 GB host pool) was estimated at 207.8 GiB against a
+# 188 GiB limit, and the pass then spent minutes per decode-step compile trying to shrink a
+# program that fits (H200, 2026-12-03). A decode step has nothing worth rematerialising (its
+# temporaries are ~0.1 GB), so the limit is lifted out of its way.
+HOST_POOL_XLA_FLAGS = ("--xla_gpu_memory_limit_slop_factor=10000",)
+
+
+def add_host_pool_xla_flags() -> None:
+    """Appends HOST_POOL_XLA_FLAGS to XLA_FLAGS (those not already set there). Call before JAX
+    starts its backend: the serving entry points and the benchmarks do."""
+    import os
+
+    current = os.environ.get("XLA_FLAGS", "")
+    extra = [f for f in HOST_POOL_XLA_FLAGS if f.split("=")[0] not in current]
+    if extra:
+        os.environ["XLA_FLAGS"] = " ".join([current, *extra]).strip()
 
 
 def host_pool_kind(implementation: str | None = None) -> str:
@@ -55,12 +74,24 @@ def allocate(shape, dtype, fill_value, memory_kind: str, device: jax.Device | No
     (measured: 64 GiB pinned took 35 s this way, and would need 128 GiB via numpy).
     """
     out = placement if placement is not None else sharding(memory_kind, device)
+    if getattr(out, "memory_kind", memory_kind) != DEVICE and _is_zero(fill_value):
+        # A jit of jnp.full into host memory computes the array on the device first and copies
+        # it out (jax-ml/jax#25396): a host pool larger than the device's free memory fails, and
+        # measured on the H200 a 16 GiB pool raised the device's peak by 16 GiB and took 8.9 s.
+        # numpy's zeros are untouched pages until read, so this costs only the pinned buffer
+        # and one copy (1.2 s, no device memory: benchmarks/probes/rank_memory.py, 2026-12-03).
+        return jax.device_put(np.zeros(shape, dtype), out)
 
     @functools.partial(jax.jit, out_shardings=out)
     def make():
         return jnp.full(shape, fill_value, dtype)
 
     return make()
+
+
+def _is_zero(fill_value) -> bool:
+    value = np.asarray(fill_value)
+    return value.size == 1 and not np.isnan(value.astype(np.float64)) and value == 0
 
 
 def hlo_copy_lines(compiled_hlo_text: str, shape: str) -> list[str]:

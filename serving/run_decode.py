@@ -185,6 +185,9 @@ def main(argv):
             devices = _TP_SIZE.value if _ENABLE_DP_ATTENTION.value else _TP_SIZE.value * _DP_SIZE.value
             _use_host_devices(devices)
         # Inputs checked: now start JAX (after _use_host_devices, which it reads on start).
+        from hisparse_jax import memory
+
+        memory.add_host_pool_xla_flags()
         import jax
 
         from serving import cli
