@@ -120,6 +120,17 @@ flags.DEFINE_integer(
     "After each engine's SYNTHETIC point at capacity: this many more steps (after --warm_steps warm ones, in a run of"
     " their own) under jax.profiler into OUTPUT_DIR/trace_<mode>, split per category (benchmarks/step_split.py); 0: off.",
 )
+flags.DEFINE_list(
+    "modes", ["hisparse", "baseline"],
+    "Engines to run. A preset whose two engines do not fit one device call runs one mode per call, the"
+    " second with --merge_from pointing at the first's bench_serving.json.",
+)
+flags.DEFINE_string(
+    "merge_from", None,
+    "A bench_serving.json of the same setup (model, context, KV dtype, capacities) from another run, e.g. the"
+    " other mode's: its points and step splits for modes this run did not measure join this run's before"
+    " the ratios and the summary are computed (recorded under merged_from).",
+)
 flags.DEFINE_string("replot", None, "Only redraw the plots of this bench_serving.json into --output_dir (no JAX work).")
 
 # The budget assumption, stated in the output. An H200 has 141 GB of HBM. DeepSeek-V3.2 in FP8
@@ -516,6 +527,24 @@ def arrivals_phase(setup: Setup) -> None:
         save()
 
 
+def merge_from(path: str) -> None:
+    """Adds another run's points and step splits (modes this run did not measure) to RESULTS,
+    after checking that both runs measured the same setup."""
+    with open(path) as f:
+        other = json.load(f)
+    for key in ("model", "capacity", "hisparse_config"):
+        if other.get("setup", {}).get(key) != RESULTS["setup"].get(key):
+            raise app.UsageError(f"--merge_from={path}: its setup's {key} differs from this run's")
+    if other.get("setup", {}).get("contexts") != RESULTS["setup"].get("contexts"):
+        raise app.UsageError(f"--merge_from={path}: its contexts differ from this run's")
+    ours = {p["mode"] for p in RESULTS["points"]}
+    RESULTS["points"] += [p for p in other.get("points", []) if p["mode"] not in ours]
+    RESULTS["step_split"] += [e for e in other.get("step_split", []) if e.get("mode") not in ours]
+    RESULTS["merged_from"] = dict(path=path, modes=sorted({p["mode"] for p in other.get("points", [])} - ours),
+                                  device=other.get("device"))  # fmt: skip
+    log(f"merged {RESULTS['merged_from']['modes']} points from {path}")
+
+
 def main(_):
     os.makedirs(FLAGS.output_dir, exist_ok=True)
     if FLAGS.replot:  # e.g. on a machine with matplotlib, from a GPU run's JSON
@@ -544,7 +573,10 @@ def main(_):
         return [c for c in concurrency if c < cap]
 
     overlap = FLAGS.synthetic_topk_overlap if FLAGS.synthetic_topk_overlap >= 0 else None
-    modes = (("hisparse", cap_h), ("baseline", cap_b))
+    unknown = set(FLAGS.modes) - {"hisparse", "baseline"}
+    if unknown or not FLAGS.modes:
+        raise app.UsageError(f"--modes takes hisparse and/or baseline, got {FLAGS.modes}")
+    modes = tuple((mode, cap) for mode, cap in (("hisparse", cap_h), ("baseline", cap_b)) if mode in FLAGS.modes)
     if FLAGS.preset:  # the baseline's (cheaper) point and split first: a ratio needs both within one device call
         modes = modes[::-1]
     plan = []  # (phase, mode, slots, overlap, concurrencies), most important first
@@ -558,7 +590,7 @@ def main(_):
         plan += [("model", mode, cap, None, headline(cap)) for mode, cap in modes]
     if "model" in FLAGS.phases:
         plan += [("model", mode, cap, None, below(cap)) for mode, cap in modes if below(cap)]
-    if "equal_slots" in FLAGS.phases and cap_h > cap_b:
+    if "equal_slots" in FLAGS.phases and cap_h > cap_b and "hisparse" in FLAGS.modes:
         plan.append(("equal_slots", "hisparse", cap_b, None, below(cap_b) + [cap_b]))
     engines = Engines(setup, concurrency)
     cost = {True: 0.0, False: 0.0}  # longest segment so far, with / without a compile
@@ -590,6 +622,8 @@ def main(_):
             except Exception as error:  # keep the other phases' results
                 RESULTS["errors"].append(dict(phase="arrivals", error=repr(error), trace=traceback.format_exc()[-3000:]))
                 log(f"arrivals failed: {error!r}")
+    if FLAGS.merge_from:
+        merge_from(FLAGS.merge_from)
     RESULTS["ratios"] = ratios()
     RESULTS["step_cost_fit"] = step_cost_fit()
     RESULTS["summary"] = rank_summary(setup)
