@@ -134,18 +134,20 @@ def check_state_as_plain_decoding_leaves_it(state, truth, lengths):
     fast path's slot = position, the newest in the reserved slot, no table entry past the length."""
     B = state.buffer_size
     np.testing.assert_array_equal(np.asarray(state.seq_lens), lengths)
-    pool, table, buffer = np.asarray(state.host_pool), np.asarray(state.host_page_table), np.asarray(state.device_buffer)
-    tokens = np.asarray(state.buffer_tokens)
+    # Rows decode one by one: the whole pool and buffer at once (one shape, compiled once, not one
+    # eager compile per length), then the rows looked up here.
+    pool, buffer = decode(state, np.asarray(state.host_pool)), decode(state, np.asarray(state.device_buffer))
+    table, tokens = np.asarray(state.host_page_table), np.asarray(state.buffer_tokens)
     for r, n in enumerate(lengths):
         slots = table[r, np.arange(n) // PAGE] * PAGE + np.arange(n) % PAGE
         for layer in range(L):
-            np.testing.assert_array_equal(decode(state, pool[layer, slots]), truth[layer, r, :n])
+            np.testing.assert_array_equal(pool[layer, slots], truth[layer, r, :n])
             assert tokens[layer, r].max() < n, "a table entry refers to a position past the length"
             if n <= B:
                 np.testing.assert_array_equal(tokens[layer, r, :n], np.arange(n))
-                np.testing.assert_array_equal(decode(state, buffer[layer, r, :n]), truth[layer, r, :n])
+                np.testing.assert_array_equal(buffer[layer, r, :n], truth[layer, r, :n])
             else:
-                np.testing.assert_array_equal(decode(state, buffer[layer, r, B]), truth[layer, r, n - 1])
+                np.testing.assert_array_equal(buffer[layer, r, B], truth[layer, r, n - 1])
 
 
 def decode(state, stored):
