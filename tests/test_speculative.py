@@ -57,13 +57,19 @@ def assert_greedy(out, golden):
     assert error < RTOL, f"logits off by {error:.2e} of the largest"
 
 
+# Under -m slow (CI time), each still covered in the default run: GLM without offload by
+# test_every_rollback_length_...[glm_no_offload]; DeepSeek-V3.2's MTP drafts to the reference
+# tokens by test_engine_speculates_...[baseline] (no offload) and [hisparse] (same fixture and
+# drafts, through the engine), and the MTP layer missing with HiSparse by deepseek_v32_fp8-hisparse_on
+# (the same architecture, fp8 weights) and glm_moe_dsa-hisparse_on.
 @pytest.mark.parametrize(
     "fixture_name, hisparse",
-    [(DEEPSEEK, False), (DEEPSEEK, True), pytest.param(GLM, False, marks=pytest.mark.slow), (GLM, True),
+    [pytest.param(DEEPSEEK, False, marks=pytest.mark.slow), pytest.param(DEEPSEEK, True, marks=pytest.mark.slow),
+     pytest.param(GLM, False, marks=pytest.mark.slow), (GLM, True),
      pytest.param(DEEPSEEK_FP8, False, marks=pytest.mark.slow), (DEEPSEEK_FP8, True)],
     ids=["deepseek_v32-hisparse_off", "deepseek_v32-hisparse_on", "glm_moe_dsa-hisparse_off", "glm_moe_dsa-hisparse_on",
          "deepseek_v32_fp8-hisparse_off", "deepseek_v32_fp8-hisparse_on"],
-)  # fmt: skip  (slow, CI time: GLM without offload is also test_every_rollback_length_...[glm_no_offload]'s)
+)  # fmt: skip
 def test_mtp_drafts_decode_the_reference_tokens(fixture_name, hisparse):
     model, golden, (top_k, buffer) = load(fixture_name)
     config = HiSparseConfig(top_k=top_k, device_buffer_size=buffer) if hisparse else None
