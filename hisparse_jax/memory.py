@@ -9,6 +9,7 @@ mode: host_pool_kind).
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +30,6 @@ HOST_POOL_XLA_FLAGS = ("--xla_gpu_memory_limit_slop_factor=10000",)
 def add_host_pool_xla_flags() -> None:
     """Appends HOST_POOL_XLA_FLAGS to XLA_FLAGS (those not already set there). Call before JAX
     starts its backend: the serving entry points and the benchmarks do."""
-    import os
-
     current = os.environ.get("XLA_FLAGS", "")
     extra = [f for f in HOST_POOL_XLA_FLAGS if f.split("=")[0] not in current]
     if extra:
