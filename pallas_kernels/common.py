@@ -23,6 +23,8 @@ The Triton lowering and the CPU interpreter disagree in two places this module h
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,6 +78,29 @@ def tpu_interpret():
     from jax.experimental.pallas import tpu as pltpu
 
     return False if on_tpu() else pltpu.InterpretParams()
+
+
+def lower_once(kernel_entry):
+    """`kernel_entry` jitted with its non-array arguments static (array arguments stay traced), so
+    that a model's identical calls (one per layer; the layer index is an i32[] array) trace and
+    lower one kernel that every call site shares. Lowered per call site, Pallas kernels cost a
+    61-layer rank minutes of lowering (H200, benchmarks/probes/compile_profile.sh, 2026-12-03).
+    Not for kernels reading the pinned host pool (row_copy), whose memory kind is the outer
+    jit's to keep."""
+
+    @functools.wraps(kernel_entry)
+    def call(*args, **kwargs):
+        nums = tuple(i for i, a in enumerate(args) if not isinstance(a, (jax.Array, np.ndarray)))
+        names = tuple(sorted(k for k, v in kwargs.items() if not isinstance(v, (jax.Array, np.ndarray))))
+        return _jitted(kernel_entry, nums, names, interpret_mode())(*args, **kwargs)
+
+    return call
+
+
+@functools.cache
+def _jitted(kernel_entry, static_argnums: tuple, static_argnames: tuple, interpret: bool):
+    del interpret  # a key only: a trace made in interpret mode is not the GPU's (tests switch it)
+    return jax.jit(kernel_entry, static_argnums=static_argnums, static_argnames=static_argnames)
 
 
 def interpret_mode() -> bool:

@@ -185,10 +185,35 @@ def test_the_scoring_kernel_reads_the_cache_in_place():
     jaxpr = jax.make_jaxpr(functools.partial(indexer_scores.index_scores_masked, implementation="pallas"))(
         q, w, keys, scales, jnp.int32(0), positions
     )
-    calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+    eqns = all_eqns(jaxpr.jaxpr)
+    calls = [e for e in eqns if e.primitive.name == "pallas_call"]
     assert len(calls) == 1
     assert tuple(keys.shape) in [tuple(v.aval.shape) for v in calls[0].invars]
-    assert not any(e.primitive.name in ("slice", "dynamic_slice", "gather") for e in jaxpr.jaxpr.eqns)
+    assert not any(e.primitive.name in ("slice", "dynamic_slice", "gather") for e in eqns)
+
+
+def all_eqns(jaxpr) -> list:
+    """The equations of a jaxpr and of the jits it calls (common.lower_once wraps each kernel)."""
+    out = []
+    for e in jaxpr.eqns:
+        out.append(e)
+        if "jaxpr" in e.params:
+            out += all_eqns(getattr(e.params["jaxpr"], "jaxpr", e.params["jaxpr"]))
+    return out
+
+
+def test_a_kernel_called_per_layer_lowers_once():
+    """Two layers' calls (the layer an i32[]) share one lowered kernel: a 61-layer model must not
+    lower, and XLA compile, 61 copies of it (common.lower_once)."""
+    q, w, keys, scales, positions = make_inputs("bfloat16")
+
+    def two_layers(q, w, keys, scales, positions):
+        score = functools.partial(indexer_scores.index_scores_masked, implementation="pallas")
+        return score(q, w, keys, scales, jnp.int32(0), positions) + score(q, w, keys, scales, jnp.int32(1), positions)
+
+    text = jax.jit(two_layers).lower(q, w, keys, scales, positions).as_text()
+    assert text.count("func.func private @index_scores_masked_pallas") == 1, text[:2000]
+    assert text.count("call @index_scores_masked_pallas") == 2
 
 
 def test_shape_errors_name_both_values():

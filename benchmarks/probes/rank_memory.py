@@ -12,7 +12,7 @@ the device peak they raise and their time. Two depths give the growth per layer.
 
     python benchmarks/probes/rank_memory.py --layers=4,8            # H200: ~2-3 min
     python benchmarks/probes/rank_memory.py --smoke                 # CPU, tiny model
-    flags: --preset=deepseek_v32|glm_5_1 --slots=50 --baseline_slots=12 --context=40960
+    flags: --preset=deepseek_v32|glm_5_1 --slots=50 --baseline_slots=12 --context=40960 --alloc_gib=16 (0: skip)
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def main():
         context = int(flag("context", "40960"))
         slots = dict(hisparse=int(flag("slots", "50")), baseline=int(flag("baseline_slots", "12")))
         hisparse = HiSparseConfig(top_k=2048, device_buffer_size=4096, host_to_device_ratio=8)
-    result = dict(device=str(jax.devices()[0]), preset=preset, context=context, slots=slots, allocation=probe_allocation(0.05 if SMOKE else 16), depths=[])
+    result = dict(device=str(jax.devices()[0]), preset=preset, context=context, slots=slots, allocation=probe_allocation(0.05 if SMOKE else float(flag("alloc_gib", "16"))) if flag("alloc_gib", "16") != "0" else [], depths=[])
     for layers in depths:
         result["depths"] += probe_depth(preset, layers, slots, context, hisparse)
         with open(os.path.join(OUT, "rank_memory.json"), "w") as f:

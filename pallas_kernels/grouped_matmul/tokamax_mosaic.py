@@ -21,6 +21,7 @@ fp8 HBM floor (the best fp8 route there), bf16 1.2-2.1x (pallas_triton.py's kern
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,10 @@ def _op(config: MosaicConfig | None, quantized: bool):
     return op if config is None else op.replace(config=config.to_tokamax(quantized))
 
 
+# Both entries are jitted so that a model's N identical call sites (one per layer) trace and lower
+# the Mosaic kernel once: lowered per call site, a 61-layer DeepSeek-V3.2 rank spent ~5 s a layer
+# lowering and compiling identical kernels (H200, benchmarks/probes/compile_profile.sh, 2026-12-03).
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype"))
 def ragged_dot_bf16(lhs, rhs, group_sizes, *, config: MosaicConfig | None = None, out_dtype=jnp.bfloat16):
     """lhs bf16[M, K], rhs bf16[G, K, N], group_sizes i32[G] -> out_dtype[M, N] (rows past the groups unwritten)."""
     import tokamax
@@ -82,10 +87,11 @@ def column_scales(scales_nk: jax.Array, N: int, K: int, dtype=jnp.float16) -> ja
     return jnp.swapaxes(per_column, 1, 2).astype(dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype"))
 def ragged_dot_fp8(lhs, values_nk, scales_nk, group_sizes, *, config: MosaicConfig | None = None, out_dtype=jnp.bfloat16):
     """lhs [M, K], values_nk f8e4m3fn[G, N, K], scales_nk f32[G, N/bn_s, K/bk_s], group_sizes i32[G]
-    -> out_dtype[M, N] through the sm90 quantized kernel (f16 activations and scales). Call
-    inside jit, so the transposed view of values_nk costs no copy."""
+    -> out_dtype[M, N] through the sm90 quantized kernel (f16 activations and scales). Called
+    inside the caller's jit, XLA inlines it, so the transposed view of values_nk costs no copy."""
     import qwix
     import tokamax
 

@@ -77,6 +77,7 @@ def default_blocking(b: int, C: int, fp8: bool) -> tuple[int, int]:
     return 64, (16 if b * pl.cdiv(C, 64 * 16) >= 1024 else 4)
 
 
+@common.lower_once
 def index_scores_masked_pallas(
     q, weights, index_keys, key_scales, layer, positions, *, block_c=None, blocks_per_program=None, num_warps=4, num_stages=None
 ):

@@ -246,6 +246,7 @@ def default_launch_shape(num_requests: int, num_heads: int, quantized: bool = Fa
 FP8_LAUNCH = dict(block_h=64, block_k=32, num_warps=8, num_stages=2)
 
 
+@common.lower_once
 def sparse_mla_attention_pallas(
     query, kv, layer, slots, *, latent_dim, sm_scale, layout=None, block_h=None, block_k=None, num_warps=None, num_stages=None,
     num_splits=None,

@@ -175,6 +175,7 @@ def _plan_kernel(
     scratch_set(pos, jnp.full_like(pos, SCRATCH_EMPTY), want)
 
 
+@common.lower_once
 def swap_in_plan_pallas(
     buffer_tokens,  # i32[L, R, B]
     lru_slots,  # i32[L, R, B]

@@ -522,6 +522,7 @@ def default_method(b: int, C: int) -> str:
     return "bisect" if C <= 32768 and b >= 47 else "radix"
 
 
+@common.lower_once
 def topk_indices_pallas(scores, k: int, *, method=None, **tuning):
     """The Pallas kernels; see topk_indices. method "radix" (tuning: _topk_radix's arguments),
     "bisect" (the 2026-12-01 kernel; tuning: _topk_bisect's) or None (default_method; name the
