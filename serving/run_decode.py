@@ -29,7 +29,7 @@ import sys
 
 from absl import app, flags
 
-from serving import speculation, validation
+from serving import interrupts, speculation, validation
 from serving.errors import UsageError
 
 _MODEL = flags.DEFINE_string(
@@ -163,6 +163,7 @@ def _flag_values() -> tuple[dict, set]:
 
 def main(argv):
     del argv  # parse_flags refused positional arguments
+    interrupts.install()
     try:
         values, present = _flag_values()
         checkpoint_decoding = _PROMPTS.value is not None or _OUTPUT.value is not None
@@ -231,11 +232,16 @@ def main(argv):
             print(f"wrote {results['files']['results']}")
         else:
             print(cli.format_report(cli.run_serving(args)))
+        interrupts.raise_if_requested()  # a Ctrl-C that something swallowed on its way
     except UsageError as error:
+        interrupts.handled()
         _refuse(str(error))
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT; files are written whole or not at all
+        interrupts.handled()
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    finally:
+        interrupts.handled()
 
 
 def run() -> None:

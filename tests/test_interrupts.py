@@ -1,0 +1,50 @@
+"""serving.interrupts: a Ctrl-C swallowed on its way (as JAX's gc callback does) still ends the run."""
+
+import os
+import signal
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# The run swallows the first KeyboardInterrupt (as a gc callback would) and would then sleep for a
+# minute and exit 0; the watchdog's second one must end it with the entry point's status 130.
+SCRIPT = """
+import sys, time
+from serving import interrupts
+interrupts.install()
+try:
+    print("ready", flush=True)
+    try:
+        time.sleep(30)
+    except KeyboardInterrupt:
+        print("swallowed", flush=True)
+    time.sleep(30)
+    interrupts.raise_if_requested()
+except KeyboardInterrupt:
+    interrupts.handled()
+    print("interrupted", flush=True)
+    sys.exit(130)
+finally:
+    interrupts.handled()
+print("finished", flush=True)
+"""
+
+
+def test_a_swallowed_ctrl_c_is_raised_again_until_handled():
+    process = subprocess.Popen([sys.executable, "-c", SCRIPT], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        process.send_signal(signal.SIGINT)
+        out, _ = process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, out
+    assert out.split() == ["swallowed", "interrupted"], out
+
+
+def test_without_ctrl_c_nothing_is_raised():
+    script = "from serving import interrupts\ninterrupts.install()\ninterrupts.raise_if_requested()\ninterrupts.handled()\nprint('ok')"
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=20)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
