@@ -378,7 +378,9 @@ class ModelRunner:
     def empty_draft_state(self, num_slots: int) -> DraftState:
         """A DraftState of `num_slots` free slots (zeros), where each request's prefill puts its own."""
         D = self.config.hidden_size
-        return DraftState(jnp.zeros(num_slots, jnp.int32), jnp.zeros(num_slots, jnp.int32), jnp.zeros((num_slots, D), self.dtype))
+        empty = DraftState(jnp.zeros(num_slots, jnp.int32), jnp.zeros(num_slots, jnp.int32), jnp.zeros((num_slots, D), self.dtype))
+        # Placed where the speculative step leaves its carry: an unplaced first carry compiled the step twice.
+        return jax.device_put(empty, memory.sharding(memory.DEVICE))
 
     def _speculative(self, cache, carry, committed, draft_override):
         if self.speculative is None:
