@@ -58,7 +58,7 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks import step_split  # noqa: E402
-from benchmarks.helpers import bench_model_config, log  # noqa: E402
+from benchmarks.helpers import bench_model_config, ep8_rank_config, log  # noqa: E402
 from configs.model import DSAModelConfig  # noqa: E402
 from hisparse_jax.config import HiSparseConfig, ResidencyConfig  # noqa: E402
 from models.dsa.footprint import DeviceFootprint  # noqa: E402
@@ -156,10 +156,7 @@ def save():
 def model_config() -> DSAModelConfig:
     block = (128, 128) if FLAGS.weights_dtype == "fp8_e4m3" or FLAGS.preset else None
     if FLAGS.preset and not FLAGS.smoke:
-        released = getattr(DSAModelConfig, PRESETS[FLAGS.preset])()
-        # The rank's 32 routed experts with uniform routing over them (the router's groups: one).
-        # No MTP layer: these runs do not speculate (SGLang then does not load it either).
-        return released.replace(n_routed_experts=32, n_group=1, topk_group=1, weight_block_size=block, num_nextn_predict_layers=0)
+        return ep8_rank_config(PRESETS[FLAGS.preset], weight_block_size=block)
     config = bench_model_config(smoke=FLAGS.smoke, num_layers=FLAGS.num_layers, num_experts=FLAGS.num_experts, num_heads=FLAGS.num_heads)
     return config.replace(weight_block_size=None if block is None else ((16, 16) if FLAGS.smoke else block))
 

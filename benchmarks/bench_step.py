@@ -64,7 +64,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks import device_timing  # noqa: E402
-from benchmarks.helpers import T0, attempt, bench_model_config, log, stats, write_json  # noqa: E402
+from benchmarks.helpers import T0, attempt, bench_model_config, ep8_rank_config, log, stats, write_json  # noqa: E402
 from configs.model import DSAModelConfig  # noqa: E402
 from hisparse_jax.config import HiSparseConfig  # noqa: E402
 from models.common.layers import matmul_implementation  # noqa: E402
@@ -94,8 +94,7 @@ def rank_config(name: str, block) -> DSAModelConfig:
     """One EP8 rank's experts of a released model: 32 local experts, top-8."""
     if ARGS.smoke:
         return DSAModelConfig.tiny().replace(weight_block_size=None if block is None else (16, 16))
-    base = DSAModelConfig.deepseek_v32() if name == "deepseek_v32" else DSAModelConfig.glm_5_1()
-    return base.replace(n_routed_experts=32, n_group=1, topk_group=1, weight_block_size=block)
+    return ep8_rank_config(name, weight_block_size=block)
 
 
 def moe_floor_us(config: DSAModelConfig, touched: int, fp8: bool) -> float:

@@ -62,3 +62,21 @@ def bench_model_config(*, smoke: bool, num_layers: int, num_experts: int, num_he
         return DSAModelConfig.tiny()
     config = DSAModelConfig.deepseek_v32_bench(num_layers, num_experts)  # no MTP layer: no speculation here
     return config if num_heads is None else config.replace(num_heads=num_heads)
+
+
+def ep8_rank_config(released: str, *, weight_block_size=(128, 128), num_layers: int | None = None):
+    """One EP8 rank of a released DSA model (configs.model.DSAModelConfig.<released>(): deepseek_v32,
+    glm_5_1, ...): its 32 local routed experts of 256 with uniform routing over them (the router's
+    groups: one), top-8, block-FP8 weights (weight_block_size; None: bf16), no MTP layer (these
+    runs do not speculate; SGLang then does not load it either); the first num_layers layers
+    (None: all)."""
+    from configs.model import DSAModelConfig
+
+    config = getattr(DSAModelConfig, released)().replace(
+        n_routed_experts=32, n_group=1, topk_group=1, weight_block_size=weight_block_size, num_nextn_predict_layers=0
+    )
+    if num_layers is None:
+        return config
+    return config.replace(
+        num_layers=num_layers, mlp_layer_types=config.mlp_layer_types[:num_layers], indexer_types=config.indexer_types[:num_layers]
+    )

@@ -36,6 +36,7 @@ from hisparse_jax import memory  # noqa: E402
 from hisparse_jax.config import HiSparseConfig  # noqa: E402
 from models.dsa.model import DSAForCausalLM  # noqa: E402
 from models.dsa.runner import ModelRunner  # noqa: E402
+from benchmarks.helpers import ep8_rank_config  # noqa: E402
 from serving.synthetic_fill import SyntheticFill  # noqa: E402
 
 SMOKE = "--smoke" in sys.argv
@@ -45,15 +46,6 @@ BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "f8e4m3fn": 1, "u8":
 
 def flag(name: str, default: str) -> str:
     return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), default)
-
-
-def rank_config(preset: str, layers: int) -> DSAModelConfig:
-    """The bench_serving preset's rank (32 routed experts, uniform routing, block FP8) on `layers` layers."""
-    released = getattr(DSAModelConfig, preset)()
-    return released.replace(
-        n_routed_experts=32, n_group=1, topk_group=1, weight_block_size=(128, 128), num_nextn_predict_layers=0, num_layers=layers,
-        mlp_layer_types=released.mlp_layer_types[:layers], indexer_types=released.indexer_types[:layers],
-    )  # fmt: skip
 
 
 def device_stats() -> dict:
@@ -108,7 +100,7 @@ def probe_allocation(gib: float) -> list[dict]:
 
 
 def probe_depth(preset: str, layers: int, slots: dict, context: int, hisparse: HiSparseConfig) -> list[dict]:
-    config = rank_config(preset, layers) if not SMOKE else DSAModelConfig.tiny().replace(weight_block_size=(16, 16), max_position_embeddings=8192)
+    config = ep8_rank_config(preset, num_layers=layers) if not SMOKE else DSAModelConfig.tiny().replace(weight_block_size=(16, 16), max_position_embeddings=8192)
     t = time.perf_counter()
     model = DSAForCausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     jax.block_until_ready(nnx.state(model))
