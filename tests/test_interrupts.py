@@ -14,8 +14,8 @@ import sys, time
 from serving import interrupts
 interrupts.install()
 try:
-    print("ready", flush=True)
     try:
+        print("ready", flush=True)  # inside the try that swallows: the signal may come at once
         time.sleep(30)
     except KeyboardInterrupt:
         print("swallowed", flush=True)
