@@ -14,4 +14,8 @@ for spec in tokamax==0.0.17 qwix==0.1.8 einshape==1.0 immutabledict==4.3.1 pydan
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLATFORMS -d .whl "$spec"
 done
 WHEEL_DIR=.whl python3 benchmarks/gpu_wheels/make_xprof_stub.py
+# py-spy's static binary, for benchmarks/probes/compile_profile.sh (native sampling of a compile)
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $PLATFORMS -d /tmp/pyspy py-spy==0.4.3 \
+  && python3 -c "import zipfile, glob; z = zipfile.ZipFile(glob.glob('/tmp/pyspy/py_spy-*.whl')[0]); open('.whl/py-spy', 'wb').write(z.read(next(n for n in z.namelist() if n.endswith('/scripts/py-spy') or n.endswith('bin/py-spy'))))" \
+  && chmod +x .whl/py-spy
 du -sh .whl
