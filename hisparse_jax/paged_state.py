@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from hisparse_jax.state import HiSparseState
 from pallas_kernels.row_copy import copy_host_rows_to_buffer
-from pallas_kernels.swap_in import SwapInPlan, host_slots_of
+from pallas_kernels.swap_in import host_slots_of
 
 
 def buffer_pages(buffer_size: int, page_size: int) -> int:

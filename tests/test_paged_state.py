@@ -6,7 +6,6 @@ demoted back mid-decode, and every step's attention output must equal the no-off
 for bit. Unwritten pool and host rows are NaN, so a read through a wrong page shows.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

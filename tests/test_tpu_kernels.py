@@ -71,7 +71,7 @@ def test_many_consecutive_plan_steps_equal_reference_and_oracle(monkeypatch):
 def test_plan_updates_only_its_layer():
     """Stacked tables: the planned layer changes, the other layers keep every entry."""
     rng = np.random.default_rng(11)
-    L, R, B, K, C = 3, 2, 8, 4, 32
+    L, R, B, C = 3, 2, 8, 32
     bt = jnp.asarray(np.stack([np.stack([rng.permutation(20)[:B] for _ in range(R)]) for _ in range(L)]), jnp.int32)
     lru = jnp.asarray(np.stack([np.stack([rng.permutation(B) for _ in range(R)]) for _ in range(L)]), jnp.int32)
     topk = jnp.asarray([[25, 26, 3, -1], [1, 1, 29, 30]], jnp.int32)
