@@ -4,7 +4,9 @@ Python raises KeyboardInterrupt wherever the main thread happens to be when SIGI
 places swallow it: inside JAX's garbage-collection callback (jax._src.lib's _xla_gc_callback) it
 is printed as "Exception ignored" and the run goes on to the end, exiting 0. So the handler
 records the request, and a watchdog thread raises it again in the main thread every
-RERAISE_EVERY_S seconds until the entry point says it has been handled.
+RERAISE_EVERY_S seconds until the entry point says it has been handled. A repeat is dropped while
+the main thread is handling the interrupt (an `except` block running cleanup, such as the
+engine's abort that gives back slots and pages), so cleanup is never cut short by it.
 
     interrupts.install()
     try:
@@ -20,6 +22,7 @@ RERAISE_EVERY_S seconds until the entry point says it has been handled.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 
 RERAISE_EVERY_S = 1.0
@@ -32,6 +35,8 @@ _watchdog: threading.Thread | None = None
 def _on_sigint(signum, frame):
     if _handled.is_set():
         return
+    if _requested.is_set() and isinstance(sys.exc_info()[1], KeyboardInterrupt):
+        return  # a repeat while the first is being handled: let its cleanup finish
     _requested.set()
     _start_watchdog()
     raise KeyboardInterrupt
@@ -39,7 +44,7 @@ def _on_sigint(signum, frame):
 
 def _start_watchdog() -> None:
     global _watchdog
-    if _watchdog is None:
+    if _watchdog is None or not _watchdog.is_alive():
         _watchdog = threading.Thread(target=_reraise_until_handled, name="sigint-watchdog", daemon=True)
         _watchdog.start()
 
@@ -55,11 +60,6 @@ def install() -> None:
     _requested.clear()
     _handled.clear()
     signal.signal(signal.SIGINT, _on_sigint)
-
-
-def requested() -> bool:
-    """Whether Ctrl-C arrived."""
-    return _requested.is_set()
 
 
 def raise_if_requested() -> None:

@@ -234,7 +234,6 @@ def main(argv):
             print(cli.format_report(cli.run_serving(args)))
         interrupts.raise_if_requested()  # a Ctrl-C that something swallowed on its way
     except UsageError as error:
-        interrupts.handled()
         _refuse(str(error))
     except KeyboardInterrupt:  # Ctrl-C: one line, the shell's status for SIGINT; files are written whole or not at all
         interrupts.handled()

@@ -48,3 +48,39 @@ def test_without_ctrl_c_nothing_is_raised():
     script = "from serving import interrupts\ninterrupts.install()\ninterrupts.raise_if_requested()\ninterrupts.handled()\nprint('ok')"
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=20)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# The run's cleanup (an except block, as the engine's abort) takes longer than the watchdog's
+# period: a repeat must not cut it short.
+CLEANUP = """
+import sys, time
+from serving import interrupts
+interrupts.install()
+try:
+    try:
+        print("ready", flush=True)
+        time.sleep(30)
+    except BaseException:
+        time.sleep(2.5 * interrupts.RERAISE_EVERY_S)
+        print("cleaned", flush=True)
+        raise
+except KeyboardInterrupt:
+    interrupts.handled()
+    print("interrupted", flush=True)
+    sys.exit(130)
+finally:
+    interrupts.handled()
+"""
+
+
+def test_a_repeat_does_not_cut_cleanup_short():
+    process = subprocess.Popen([sys.executable, "-c", CLEANUP], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, err
+    assert out.split() == ["cleaned", "interrupted"], (out, err)
