@@ -83,8 +83,9 @@ def tpu_interpret():
 def lower_once(kernel_entry):
     """`kernel_entry` jitted with its non-array arguments static (array arguments stay traced), so
     that a model's identical calls (one per layer; the layer index is an i32[] array) trace and
-    lower one kernel that every call site shares. Lowered per call site, Pallas kernels cost a
-    61-layer rank minutes of lowering (H200, benchmarks/probes/compile_profile.sh, 2026-12-03).
+    lower one kernel that every call site shares. Lowered per call site, Pallas' Triton lowering
+    took 7.5 s of an 8-layer rank's probe, growing with depth (H200,
+    benchmarks/probes/compile_profile.sh, 2026-12-03; the saving itself is not timed on a GPU).
     Not for kernels reading the pinned host pool (row_copy), whose memory kind is the outer
     jit's to keep."""
 

@@ -172,7 +172,8 @@ def main():
         context = int(flag("context", "40960"))
         slots = dict(hisparse=int(flag("slots", "50")), baseline=int(flag("baseline_slots", "12")))
         hisparse = HiSparseConfig(top_k=2048, device_buffer_size=4096, host_to_device_ratio=8)
-    result = dict(device=str(jax.devices()[0]), preset=preset, context=context, slots=slots, allocation=probe_allocation(0.05 if SMOKE else float(flag("alloc_gib", "16"))) if flag("alloc_gib", "16") != "0" else [], depths=[])
+    alloc_gib = 0.05 if SMOKE else float(flag("alloc_gib", "16"))
+    result = dict(device=str(jax.devices()[0]), preset=preset, context=context, slots=slots, allocation=probe_allocation(alloc_gib) if alloc_gib else [], depths=[])
     for layers in depths:
         result["depths"] += probe_depth(preset, layers, slots, context, hisparse)
         with open(os.path.join(OUT, "rank_memory.json"), "w") as f:
