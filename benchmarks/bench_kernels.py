@@ -67,6 +67,8 @@ flags.DEFINE_float("indexer_budget_s", 0, "Indexer: start no new size after this
 flags.DEFINE_bool("smoke", False, "Tiny sizes, to try the script itself on a CPU (interpret mode).")
 flags.DEFINE_list("fp8_sizes", ["128x128"], "batch x heads at which attention over fp8 rows is timed too.")
 flags.DEFINE_list("attention_batches", ["16", "64", "128"], "Attention batch sizes (bf16 rows).")
+flags.DEFINE_string("bf16_tunings", "", "JSON list of extra Pallas tunings timed (and checked) over bf16 rows.")
+flags.DEFINE_string("fp8_tunings", "", 'JSON list of extra Pallas tunings timed (and checked) over fp8 rows, e.g. [{"fp8_form": "planes"}].')
 flags.DEFINE_list("cases", [], "Swap-in cases as batch:case (case: fast or a miss count per request); default: every batch of --batches with every case.")
 flags.DEFINE_bool("check_attention", True, "Section check: check the attention kernel too.")
 flags.DEFINE_bool("device_timing", True, "Swap-in: device time from JAX's profiler (else host wall-clock differences only).")
@@ -202,14 +204,14 @@ def random_kv(key, R, rows: str):
     return make(key)
 
 
-def attention_error(q, kv, slots, layout, scale):
-    """Relative L2 error of the Pallas kernel against the f32 reference, and whether the output
-    is finite (slots row 1 is all -1: zeros expected there)."""
-    attend = lambda impl: jax.jit(  # noqa: E731
-        functools.partial(sparse_mla_attention.sparse_mla_attention, latent_dim=LATENT, sm_scale=scale, layout=layout, implementation=impl),
+def attention_error(q, kv, slots, layout, scale, tuning=None):
+    """Relative L2 error of the Pallas kernel (launched with `tuning`) against the f32 reference,
+    and whether the output is finite (slots row 1 is all -1: zeros expected there)."""
+    attend = lambda impl, **kw: jax.jit(  # noqa: E731
+        functools.partial(sparse_mla_attention.sparse_mla_attention, latent_dim=LATENT, sm_scale=scale, layout=layout, implementation=impl, **kw),
         static_argnums=2,
     )(q, kv, 0, slots)
-    got, ref = np.asarray(attend("pallas")), np.asarray(attend("reference"))
+    got, ref = np.asarray(attend("pallas", **(tuning or {}))), np.asarray(attend("reference"))
     rel = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
     return rel, bool(np.all(np.isfinite(got))) and not np.any(got[1])
 
@@ -562,25 +564,27 @@ def attention_cases(rng, R, heads, rows, slots_sets, tunings, scale, zero, flush
     layout = layout_of(rows)
     if layout.quantized and FLAGS.tune:  # 64 x 64 blocks with 2 stages exceed shared memory for fp8 rows
         tunings = [{}, dict(num_splits=1), dict(block_h=64, block_k=64, num_warps=8, num_stages=1)]
+    extra = FLAGS.fp8_tunings if layout.quantized else FLAGS.bf16_tunings
+    if extra:
+        tunings = tunings + json.loads(extra)
     kv = random_kv(jax.random.key(R), R, rows)
     for H in heads:
         q = jnp.asarray(rng.standard_normal((R, H, WIDTH)), jnp.bfloat16)
         flops = 2 * R * H * TOP_K * (WIDTH + LATENT)  # the same for every row layout
         bytes_moved = R * TOP_K * layout.bytes_per_row + R * H * (WIDTH * 2 + LATENT * 4)
-        try:
-            # One request selects nothing (its output must be zeros), when there is more than one.
-            masked = slots_sets[0].at[1].set(-1) if R > 1 else slots_sets[0]
-            rel, sane = attention_error(q, kv, masked, layout, scale)
-            check = {"check_ok": sane and rel < 1e-2, "relative_error_vs_reference": rel}
-        except Exception as e:
-            check = {"check_ok": False, "check_error": f"{type(e).__name__}: {str(e)[:300]}"}
-            RESULTS["errors"].append(traceback.format_exc()[-2000:])
+        # One request selects nothing (its output must be zeros), when there is more than one.
+        masked = slots_sets[0].at[1].set(-1) if R > 1 else slots_sets[0]
         base = attention_loop("base", FLAGS.iters, scale, {})
         flush, _ = base(flush, q, kv, slots_sets, zero)
         for kind, tuning in [("pallas", t) for t in tunings] + [("reference", {})]:
             entry = {"batch": R, "heads": H, "rows": rows, "row_bytes": layout.bytes_per_row, "implementation": kind, "tuning": tuning}
-            if kind == "pallas":
-                entry.update(check)
+            if kind == "pallas":  # each tuning checked against the reference on the same inputs
+                try:
+                    rel, sane = attention_error(q, kv, masked, layout, scale, tuning)
+                    entry.update(check_ok=sane and rel < 1e-2, relative_error_vs_reference=rel)
+                except Exception as e:
+                    entry.update(check_ok=False, check_error=f"{type(e).__name__}: {str(e)[:300]}")
+                    RESULTS["errors"].append(traceback.format_exc()[-2000:])
             try:
                 fn = attention_loop(kind, FLAGS.iters, scale, tuning, layout)
                 flush, c = fn(flush, q, kv, slots_sets, zero)

@@ -26,6 +26,7 @@ from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.row_layout import KVRowLayout
 from hisparse_jax.state import FullKVState, HiSparseState, jit_donating_state
 from pallas_kernels.sparse_mla_attention import default_num_splits, sparse_mla_attention
+from pallas_kernels.sparse_mla_attention.pallas_triton import FP8_FORMS, plane_permutation
 from pallas_kernels.swap_in import SwapInPlan
 
 L, R, H, LATENT, ROPE = 2, 3, 4, 32, 16
@@ -534,12 +535,13 @@ def test_sparse_mla_attention_checks_static_shapes(implementation, query_shape, 
 FP8_LAYOUT = KVRowLayout(LATENT, ROPE, "fp8_e4m3")
 
 
+@pytest.mark.parametrize("fp8_form", FP8_FORMS)
 @pytest.mark.parametrize(
     "query_dtype, tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)]
 )  # f32: full-precision matmuls; bf16: the bf16 rows' tolerance
-def test_fp8_attention_kernel_equals_reference(query_dtype, tolerance):
-    """The kernel dequantises fp8 rows itself; the reference unpacks them to f32. Slots nothing
-    selects are NaN (all-ones words), so a stray read shows."""
+def test_fp8_attention_kernel_equals_reference(query_dtype, tolerance, fp8_form):
+    """The kernel dequantises fp8 rows itself, in each byte order (fp8_form); the reference
+    unpacks them to f32. Slots nothing selects are NaN (all-ones words), so a stray read shows."""
     rng = np.random.default_rng(7)
     S = 24
     values = rng.standard_normal((L, R, S, W)).astype(np.float32)
@@ -553,7 +555,10 @@ def test_fp8_attention_kernel_equals_reference(query_dtype, tolerance):
     kv = kv.at[:, :, 16:].set(nan_word).at[0].set(nan_word)  # slots >= 16 and the other layer
     query = jnp.asarray(rng.standard_normal((R, H, W)), query_dtype)
     attend = lambda impl: np.asarray(  # noqa: E731
-        sparse_mla_attention(query, kv, 1, jnp.asarray(slots), latent_dim=LATENT, sm_scale=SCALE, layout=FP8_LAYOUT, implementation=impl)
+        sparse_mla_attention(
+            query, kv, 1, jnp.asarray(slots), latent_dim=LATENT, sm_scale=SCALE, layout=FP8_LAYOUT, implementation=impl,
+            **({"fp8_form": fp8_form} if impl == "pallas" else {}),
+        )
     )
     ref, got = attend("reference"), attend("pallas")
     assert np.all(np.isfinite(got)) and np.all(np.isfinite(ref))
@@ -563,6 +568,28 @@ def test_fp8_attention_kernel_equals_reference(query_dtype, tolerance):
     deq = stored_values(values[1], "fp8_e4m3")  # [R, S, W]
     q = np.asarray(query.astype(jnp.float32))
     np.testing.assert_allclose(ref, dense_reference(q, deq, slots), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("form", FP8_FORMS)
+def test_plane_permutation_is_a_permutation_that_matches_the_packed_bytes(form):
+    """Column c of the plane-ordered latent is the byte of the word the kernel reads it from:
+    every latent column of a packed random row, read plane by plane, is the dequantised value of
+    column perm[c]."""
+    D, rope, G = 512, 64, 128
+    perm = plane_permutation(D, G, rope, form)
+    assert sorted(perm) == list(range(D + rope))
+    if form == "interleave":
+        return
+    layout = KVRowLayout(D, rope, "fp8_e4m3")
+    row = np.asarray(layout.pack(jnp.asarray(np.random.default_rng(3).standard_normal((1, D)), jnp.float32), jnp.zeros((1, rope))))[0]
+    words, scale = row[: D // 4], row[D // 4 : D // 4 + D // G].view(np.float32)
+    byte_planes = [(words >> (8 * j)) & 0xFF for j in range(4)]  # plane j: latent 4w + j
+    n = G // 4
+    planes = byte_planes if form == "planes" else [p[g * n : (g + 1) * n] for g in range(D // G) for p in byte_planes]
+    fp8 = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(np.concatenate(planes), jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32))
+    dequantised = np.asarray(layout.unpack(jnp.asarray(row))[0])  # f32[D], latent order
+    np.testing.assert_array_equal(fp8 * scale[perm[:D] // G], dequantised[perm[:D]])
+    assert len(np.unique(dequantised)) > D // 2  # distinct columns, so a wrong order shows
 
 
 def test_fp8_rows_bf16_queries_within_tolerance_of_dense():

@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
@@ -216,6 +217,125 @@ def _fp8_attention_kernel(
     _store(out_refs, r, safe_heads, head_ok, [(0, D)], [acc], running_max, total, num_splits, interpret)
 
 
+def _fp8_planes_kernel(
+    layer_ref,  # i32[1]
+    query_ref,  # [R, H, D + rope], columns in plane order (plane_permutation)
+    slots_ref,  # i32[R, K]
+    kv_ref,  # u32[L, R, S, W]: packed fp8 rows
+    *out_refs,  # as _attention_kernel's, latent columns in plane order
+    latent_dim: int,
+    group_size: int,
+    rope_dim: int,
+    sm_scale: float,
+    block_h: int,
+    block_k: int,
+    compute_dtype,
+    num_splits: int,
+    per_group: bool,
+    interpret: bool,
+):
+    """fp8 rows without putting bytes back in latent order: byte j of every word is a plane of
+    the latent (columns 4w + j), and the query and output columns are permuted to match
+    (plane_permutation), so each plane goes to the matmuls as it is. per_group: one plane per
+    (group, byte), scaled by one per-row scale (no select); else one per byte, scaled by selects."""
+    r, head_block = pl.program_id(0), pl.program_id(1)
+    H, K, S = query_ref.shape[1], slots_ref.shape[1], kv_ref.shape[2]
+    D, G = latent_dim, group_size
+    num_groups, words_per_group, rope_words = D // G, G // 4, rope_dim // 2
+    scale_word, rope_word = D // 4, D // 4 + num_groups  # first scale word, first rope word
+    layer = layer_ref[0]
+    precision = _dot_precision(compute_dtype)
+    safe_heads, head_ok = common.head_block(head_block * block_h, block_h, H)
+    # (first word, words) of each plane's word range, its byte, and its output columns.
+    if per_group:
+        planes = [(g * words_per_group, words_per_group, j, g * G + j * words_per_group) for g in range(num_groups) for j in range(4)]
+    else:
+        planes = [(0, D // 4, j, j * (D // 4)) for j in range(4)]
+    value_pieces = [(column, n) for _, n, _, column in planes]
+    queries = [
+        common.gather_rows(query_ref, (r,), safe_heads, head_ok, column, n, interpret).astype(compute_dtype) for column, n in value_pieces
+    ]  # [block_h, n] each
+    rope_queries = [
+        common.gather_rows(query_ref, (r,), safe_heads, head_ok, D + j * rope_words, rope_words, interpret).astype(compute_dtype)
+        for j in range(2)
+    ]  # [block_h, rope / 2] each: rope columns 2w + j
+
+    def dot_t(a, b):  # a [M, n] . b [N, n]^T -> f32[M, N]
+        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+
+    def body(step, carry):
+        running_max, total, accs = carry
+        k = step * block_k + jnp.arange(block_k, dtype=jnp.int32)
+        slot = common.gather(slots_ref, (r, common.safe_index(k, k < K, K)), k < K, -1)
+        valid = slot >= 0
+        safe_slot = common.safe_index(slot, valid, S)
+        row = (layer, common.request_row(r, kv_ref))
+
+        def load_words(word, n):  # u32[block_k, n]: words word .. word + n - 1 of the selected rows (0 if masked)
+            return common.gather(kv_ref, common.row_block(row, safe_slot, word, n, interpret), jnp.broadcast_to(valid[:, None], (block_k, n)), 0)
+
+        # f32[block_k] per group: a masked entry reads a zero word, so zero values.
+        scales = [jax.lax.bitcast_convert_type(common.gather(kv_ref, (*row, safe_slot, scale_word + g), valid, 0), jnp.float32) for g in range(num_groups)]
+        keys, words_at = [], {}
+        for first, n, j, _ in planes:
+            if first not in words_at:
+                words_at = {first: load_words(first, n)}
+            plane = ((words_at[first] >> (8 * j)) & 0xFF).astype(jnp.uint8)
+            plane = jax.lax.bitcast_convert_type(plane, jnp.float8_e4m3fn).astype(jnp.float32)  # f32[block_k, n]
+            if per_group:
+                scale = scales[first // words_per_group][:, None]
+            else:  # column w of the plane is latent 4w + j: group w // words_per_group
+                column = jnp.arange(n, dtype=jnp.int32)[None, :] // words_per_group
+                scale = 0.0
+                for g in range(num_groups):
+                    scale = jnp.where(column == g, scales[g][:, None], scale)
+            keys.append((plane * scale).astype(compute_dtype))  # [block_k, n]
+        words = load_words(rope_word, rope_words)
+        ropes = [
+            jax.lax.bitcast_convert_type(((words >> (16 * j)) & 0xFFFF).astype(jnp.uint16), jnp.bfloat16).astype(compute_dtype) for j in range(2)
+        ]  # [block_k, rope / 2] each: rope columns 2w + j
+        scores = sum(dot_t(q, kk) for q, kk in zip(queries + rope_queries, keys + ropes)) * sm_scale  # f32[block_h, block_k]
+        scores = jnp.where(valid[None, :], scores, MASKED)
+        new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))  # f32[block_h]
+        rescale = jnp.exp(running_max - new_max)
+        weights = jnp.exp(scores - new_max[:, None])  # f32[block_h, block_k]
+        total = total * rescale + jnp.sum(weights, axis=1)
+        weights = weights.astype(compute_dtype)
+        accs = [
+            acc * rescale[:, None] + jax.lax.dot(weights, v, precision=precision, preferred_element_type=jnp.float32) for acc, v in zip(accs, keys)
+        ]
+        return new_max, total, accs
+
+    init = (
+        jnp.full((block_h,), _RUNNING_MAX_START, jnp.float32),
+        jnp.zeros((block_h,), jnp.float32),
+        [jnp.zeros((block_h, n), jnp.float32) for _, n in value_pieces],
+    )
+    running_max, total, accs = jax.lax.fori_loop(*_key_block_range(K, block_k, num_splits), body, init)
+    _store(out_refs, r, safe_heads, head_ok, value_pieces, accs, running_max, total, num_splits, interpret)
+
+
+FP8_FORMS = ("interleave", "planes", "group_planes")
+
+
+def plane_permutation(latent_dim: int, group_size: int, rope_dim: int, form: str) -> np.ndarray:
+    """i32[D + rope]: column c of a plane-ordered query (or output) is column perm[c] of the
+    logical one. Byte j of word w holds latent 4w + j; "planes" orders columns by byte, then
+    word; "group_planes" by group, then byte, then word; the rope's bf16 pairs by half, then
+    pair. "interleave" is the identity."""
+    D, rope = latent_dim, rope_dim
+    if form == "interleave":
+        return np.arange(D + rope, dtype=np.int32)
+    words_per_group = group_size // 4
+    word = np.arange(D // 4)
+    if form == "planes":
+        latent = [4 * word + j for j in range(4)]
+    else:
+        latent = [4 * word[g * words_per_group : (g + 1) * words_per_group] + j for g in range(D // group_size) for j in range(4)]
+    halves = [D + 2 * np.arange(rope // 2) + j for j in range(2)]
+    return np.concatenate(latent + halves).astype(np.int32)
+
+
 def _check_fp8_kernel_sizes(layout) -> None:
     """The kernel holds the latent and the rope words as single tiles: Triton needs power-of-two
     sizes (512 / 4 = 128 words and 64 / 2 = 32 words for DeepSeek-V3.2)."""
@@ -244,19 +364,43 @@ def default_launch_shape(num_requests: int, num_heads: int, quantized: bool = Fa
 # of 64 keys, 8 warps: 1182; 4 warps: 1986; 64 keys with 2 stages or 128-head blocks need more
 # than the 227 KB of shared memory. bench_kernels (L2 flushed): 701 us, vs 415 us for bf16 rows.
 FP8_LAUNCH = dict(block_h=64, block_k=32, num_warps=8, num_stages=2)
+# fp8 rows' byte order in the kernel (FP8_FORMS) where the layout allows it: "interleave" puts
+# bytes back in latent order.
+DEFAULT_FP8_FORM = "interleave"
+
+
+def _plane_widths(layout, form: str) -> tuple[int, int]:
+    """(latent plane width, rope half width) the planes forms hand to the matmuls."""
+    return (layout.group_size // 4 if form == "group_planes" else layout.latent_dim // 4), layout.rope_dim // 2
+
+
+def default_fp8_form(layout) -> str:
+    """DEFAULT_FP8_FORM where its planes are wide enough for Triton's dots (>= 16), else "interleave"."""
+    if DEFAULT_FP8_FORM != "interleave" and min(_plane_widths(layout, DEFAULT_FP8_FORM)) < 16:
+        return "interleave"
+    return DEFAULT_FP8_FORM
+
+
+def _check_fp8_form(form: str, layout) -> None:
+    if form not in FP8_FORMS:
+        raise ValueError(f"fp8_form {form!r} is not one of {FP8_FORMS}")
+    if form != "interleave" and not common.interpret_mode() and min(_plane_widths(layout, form)) < 16:
+        raise ValueError(f"fp8_form {form!r} hands Triton's dots planes of {_plane_widths(layout, form)} columns; they need >= 16")
 
 
 @common.lower_once
 def sparse_mla_attention_pallas(
     query, kv, layer, slots, *, latent_dim, sm_scale, layout=None, block_h=None, block_k=None, num_warps=None, num_stages=None,
-    num_splits=None,
+    num_splits=None, fp8_form=None,
 ):
     """The Pallas kernel: shapes as sparse_mla_attention_reference; the launch shape defaults
     to default_launch_shape(R, H). One program per (request, head block), or with num_splits
     N > 1 (flash-decoding's split-K; default default_num_splits) per (request, head block, N-th
     of the keys), whose partial results combine_splits merges. fp8 rows (layout) are
     dequantised in the kernel; its matmuls run in the query's dtype (bf16, or f32 at full
-    precision for an f32 query), as plain rows' run in the row dtype."""
+    precision for an f32 query), as plain rows' run in the row dtype. fp8_form (fp8 rows; default
+    DEFAULT_FP8_FORM): how the kernel reads the packed bytes, one of FP8_FORMS (see
+    _fp8_planes_kernel and plane_permutation)."""
     check_inputs(query, kv, layer, slots, latent_dim, layout)
     R, H, _ = query.shape
     shape = default_launch_shape(R, H, is_quantized(layout))
@@ -269,10 +413,28 @@ def sparse_mla_attention_pallas(
     block_k = max(16, min(block_k, common.next_power_of_2(slots.shape[1])))
     if num_splits is None:
         num_splits = default_num_splits(R * pl.cdiv(H, block_h), pl.cdiv(slots.shape[1], block_k))
+    permutation = None
     if is_quantized(layout):
         _check_fp8_kernel_sizes(layout)
         compute_dtype = jnp.float32 if jnp.dtype(query.dtype) == jnp.float32 else jnp.bfloat16
+        fp8_form = fp8_form or default_fp8_form(layout)
+        _check_fp8_form(fp8_form, layout)
+        if fp8_form != "interleave":
+            permutation = plane_permutation(latent_dim, layout.group_size, layout.rope_dim, fp8_form)  # i32[D + rope]
+            query = query[..., permutation]
         kernel = functools.partial(
+            _fp8_planes_kernel,
+            latent_dim=latent_dim,
+            group_size=layout.group_size,
+            rope_dim=layout.rope_dim,
+            sm_scale=float(sm_scale),
+            block_h=block_h,
+            block_k=block_k,
+            compute_dtype=compute_dtype,
+            num_splits=num_splits,
+            per_group=fp8_form == "group_planes",
+            interpret=common.interpret_mode(),
+        ) if permutation is not None else functools.partial(
             _fp8_attention_kernel,
             latent_dim=latent_dim,
             group_size=layout.group_size,
@@ -309,7 +471,10 @@ def sparse_mla_attention_pallas(
         interpret=common.interpret_mode(),
         name="hisparse_sparse_mla_attention",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), query, slots, kv)
-    return out[0] if num_splits == 1 else combine_splits(*out)
+    out = out[0] if num_splits == 1 else combine_splits(*out)  # f32[R, H, D]
+    if permutation is not None:  # the kernel wrote latent columns in plane order
+        out = out[..., np.argsort(permutation[:latent_dim])]
+    return out
 
 
 # About two waves of programs on the H200's 132 SMs: below that, split the keys.
