@@ -26,7 +26,8 @@ from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.row_layout import KVRowLayout
 from hisparse_jax.state import FullKVState, HiSparseState, jit_donating_state
 from pallas_kernels.sparse_mla_attention import default_num_splits, sparse_mla_attention
-from pallas_kernels.sparse_mla_attention.pallas_triton import FP8_FORMS, plane_permutation
+from pallas_kernels.common import interpret_mode
+from pallas_kernels.sparse_mla_attention.pallas_triton import FP8_FORMS, PLANE_FORMS, plane_permutation
 from pallas_kernels.swap_in import SwapInPlan
 
 L, R, H, LATENT, ROPE = 2, 3, 4, 32, 16
@@ -560,6 +561,11 @@ def test_fp8_attention_kernel_equals_reference(query_dtype, tolerance, fp8_form)
             **({"fp8_form": fp8_form} if impl == "pallas" else {}),
         )
     )
+    if not interpret_mode() and fp8_form in PLANE_FORMS:
+        # Planes of LATENT / 4 = 8 columns are too narrow for Triton's dots: refused by name.
+        with pytest.raises(ValueError, match="need >= 16"):
+            attend("pallas")
+        return
     ref, got = attend("reference"), attend("pallas")
     assert np.all(np.isfinite(got)) and np.all(np.isfinite(ref))
     np.testing.assert_allclose(got, ref, rtol=tolerance, atol=tolerance * np.abs(ref).max())
@@ -578,7 +584,8 @@ def test_plane_permutation_is_a_permutation_that_matches_the_packed_bytes(form):
     D, rope, G = 512, 64, 128
     perm = plane_permutation(D, G, rope, form)
     assert sorted(perm) == list(range(D + rope))
-    if form == "interleave":
+    if form not in PLANE_FORMS:
+        np.testing.assert_array_equal(perm, np.arange(D + rope))
         return
     layout = KVRowLayout(D, rope, "fp8_e4m3")
     row = np.asarray(layout.pack(jnp.asarray(np.random.default_rng(3).standard_normal((1, D)), jnp.float32), jnp.zeros((1, rope))))[0]

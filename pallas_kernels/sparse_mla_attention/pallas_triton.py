@@ -315,16 +315,17 @@ def _fp8_planes_kernel(
     _store(out_refs, r, safe_heads, head_ok, value_pieces, accs, running_max, total, num_splits, interpret)
 
 
-FP8_FORMS = ("interleave", "planes", "group_planes")
+FP8_FORMS = ("interleave", "planes", "group_planes", "dequantize_first")
+PLANE_FORMS = ("planes", "group_planes")  # the forms that permute the query's columns
 
 
 def plane_permutation(latent_dim: int, group_size: int, rope_dim: int, form: str) -> np.ndarray:
     """i32[D + rope]: column c of a plane-ordered query (or output) is column perm[c] of the
     logical one. Byte j of word w holds latent 4w + j; "planes" orders columns by byte, then
     word; "group_planes" by group, then byte, then word; the rope's bf16 pairs by half, then
-    pair. "interleave" is the identity."""
+    pair. The other forms read columns in latent order: the identity."""
     D, rope = latent_dim, rope_dim
-    if form == "interleave":
+    if form not in PLANE_FORMS:
         return np.arange(D + rope, dtype=np.int32)
     words_per_group = group_size // 4
     word = np.arange(D // 4)
@@ -376,7 +377,7 @@ def _plane_widths(layout, form: str) -> tuple[int, int]:
 
 def default_fp8_form(layout) -> str:
     """DEFAULT_FP8_FORM where its planes are wide enough for Triton's dots (>= 16), else "interleave"."""
-    if DEFAULT_FP8_FORM != "interleave" and min(_plane_widths(layout, DEFAULT_FP8_FORM)) < 16:
+    if DEFAULT_FP8_FORM in PLANE_FORMS and min(_plane_widths(layout, DEFAULT_FP8_FORM)) < 16:
         return "interleave"
     return DEFAULT_FP8_FORM
 
@@ -384,7 +385,7 @@ def default_fp8_form(layout) -> str:
 def _check_fp8_form(form: str, layout) -> None:
     if form not in FP8_FORMS:
         raise ValueError(f"fp8_form {form!r} is not one of {FP8_FORMS}")
-    if form != "interleave" and not common.interpret_mode() and min(_plane_widths(layout, form)) < 16:
+    if form in PLANE_FORMS and not common.interpret_mode() and min(_plane_widths(layout, form)) < 16:
         raise ValueError(f"fp8_form {form!r} hands Triton's dots planes of {_plane_widths(layout, form)} columns; they need >= 16")
 
 
@@ -402,6 +403,11 @@ def sparse_mla_attention_pallas(
     DEFAULT_FP8_FORM): how the kernel reads the packed bytes, one of FP8_FORMS (see
     _fp8_planes_kernel and plane_permutation)."""
     check_inputs(query, kv, layer, slots, latent_dim, layout)
+    if is_quantized(layout) and (fp8_form or default_fp8_form(layout)) == "dequantize_first":
+        return _dequantize_then_attend(
+            query, kv, layer, slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=layout, block_h=block_h, block_k=block_k,
+            num_warps=num_warps, num_stages=num_stages, num_splits=num_splits,
+        )
     R, H, _ = query.shape
     shape = default_launch_shape(R, H, is_quantized(layout))
     block_h = block_h or shape["block_h"]
@@ -419,7 +425,7 @@ def sparse_mla_attention_pallas(
         compute_dtype = jnp.float32 if jnp.dtype(query.dtype) == jnp.float32 else jnp.bfloat16
         fp8_form = fp8_form or default_fp8_form(layout)
         _check_fp8_form(fp8_form, layout)
-        if fp8_form != "interleave":
+        if fp8_form in PLANE_FORMS:
             permutation = plane_permutation(latent_dim, layout.group_size, layout.rope_dim, fp8_form)  # i32[D + rope]
             query = query[..., permutation]
         kernel = functools.partial(
@@ -475,6 +481,23 @@ def sparse_mla_attention_pallas(
     if permutation is not None:  # the kernel wrote latent columns in plane order
         out = out[..., np.argsort(permutation[:latent_dim])]
     return out
+
+
+def _dequantize_then_attend(query, kv, layer, slots, *, latent_dim, sm_scale, layout, **launch):
+    """fp8_form "dequantize_first": one XLA fusion gathers each request's selected fp8 rows and
+    writes them dequantised, in the query's dtype, as a dense [1, R, K, D + rope] block (once
+    per request, where the kernel's forms dequantise once per head block); the plain-rows kernel
+    then attends over it. Costs the block's write and read: 2 x 1152 B per selected bf16 row."""
+    R, K = slots.shape
+    valid = slots >= 0  # bool[R, K]
+    requests = common.request_row(jnp.arange(R, dtype=jnp.int32), kv)[:, None]  # i32[R, 1]
+    rows = kv[layer, requests, jnp.where(valid, slots, 0)]  # u32[R, K, W]: one gather, no layer slice
+    latent, rope = layout.unpack(rows)  # f32[R, K, D], f32[R, K, rope]
+    compute_dtype = jnp.float32 if jnp.dtype(query.dtype) == jnp.float32 else jnp.bfloat16
+    dense = jnp.concatenate([latent, rope], axis=-1).astype(compute_dtype)[None]  # [1, R, K, D + rope]
+    dense_slots = jnp.where(valid, jnp.arange(K, dtype=jnp.int32)[None, :], -1)  # i32[R, K]
+    launch = {name: value for name, value in launch.items() if value is not None}
+    return sparse_mla_attention_pallas(query, dense, jnp.int32(0), dense_slots, latent_dim=latent_dim, sm_scale=sm_scale, **launch)
 
 
 # About two waves of programs on the H200's 132 SMs: below that, split the keys.
