@@ -732,3 +732,25 @@ def test_small_grids_split_the_keys():
     assert default_num_splits(2, 32) == 16  # one request, 2 head blocks: 16 splits of 2 key blocks
     assert default_num_splits(32, 16) == 8  # batch 16 x 2 head blocks
     assert default_num_splits(4, 3) == 1  # too few key blocks to share
+
+
+def test_fp8_attention_default_form_at_deepseek_widths():
+    """At DeepSeek-V3.2's row widths (512 + 64) the default is the planes form (H200-measured),
+    and it equals the reference; the tiny rows the other tests use fall back to interleave."""
+    from pallas_kernels.sparse_mla_attention.pallas_triton import default_fp8_form
+
+    layout = KVRowLayout(512, 64, "fp8_e4m3")
+    assert default_fp8_form(layout) == "planes" and default_fp8_form(FP8_LAYOUT) == "interleave"
+    rng = np.random.default_rng(11)
+    R_, H_, S_, K_ = 2, 16, 40, 16
+    values = rng.standard_normal((1, R_, S_, 576)).astype(np.float32)
+    kv = layout.pack(jnp.asarray(values[..., :512]), jnp.asarray(values[..., 512:]))
+    kv = kv.at[:, :, 32:].set(layout.fill_element(float("nan")))  # never selected
+    slots = rng.integers(0, 32, (R_, K_)).astype(np.int32)
+    slots[1, 3:7] = -1
+    query = jnp.asarray(rng.standard_normal((R_, H_, 576)), jnp.float32)
+    attend = lambda impl: np.asarray(  # noqa: E731
+        sparse_mla_attention(query, kv, 0, jnp.asarray(slots), latent_dim=512, sm_scale=0.05, layout=layout, implementation=impl)
+    )
+    ref, got = attend("reference"), attend("pallas")
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())

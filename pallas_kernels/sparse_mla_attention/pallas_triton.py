@@ -350,13 +350,14 @@ def default_launch_shape(num_requests: int, num_heads: int, quantized: bool = Fa
     """The kernel's launch shape (block_h, block_k, num_warps, num_stages) for R x H heads.
 
     Measured on the H200 (docs/PERFORMANCE.md, top_k 2048, bf16): 64-head blocks win once the
-    grid is large (batch 128 x 128 heads: 406 us vs 614 us for 32-head blocks), 32-head blocks
-    with 128-row key blocks when it is small (batch 16 x 128 heads: 105 us vs 207 us).
-    fp8 rows (quantized) dequantise each key block through shared memory on top of that: FP8_LAUNCH."""
+    grid is large (batch 128 x 128 heads: 406 us vs 614 us for 32-head blocks; with 3 pipeline
+    stages 351 us, 2026-12-03), 32-head blocks with 128-row key blocks when it is small (batch
+    16 x 128 heads: 105 us vs 207 us). fp8 rows (quantized) dequantise each key block on top of
+    that: FP8_LAUNCH."""
     if quantized:
         return dict(FP8_LAUNCH)
     if num_requests * num_heads >= 8192:
-        return dict(block_h=64, block_k=64, num_warps=8, num_stages=2)
+        return dict(block_h=64, block_k=64, num_warps=8, num_stages=3)
     return dict(block_h=32, block_k=128, num_warps=8, num_stages=2)
 
 
@@ -364,10 +365,13 @@ def default_launch_shape(num_requests: int, num_heads: int, quantized: bool = Fa
 # blocks of 32 keys, 8 warps, 2 stages: 741; 1 stage: 881; 64 keys, 1 stage: 887; 32-head blocks
 # of 64 keys, 8 warps: 1182; 4 warps: 1986; 64 keys with 2 stages or 128-head blocks need more
 # than the 227 KB of shared memory. bench_kernels (L2 flushed): 701 us, vs 415 us for bf16 rows.
-FP8_LAUNCH = dict(block_h=64, block_k=32, num_warps=8, num_stages=2)
-# fp8 rows' byte order in the kernel (FP8_FORMS) where the layout allows it: "interleave" puts
-# bytes back in latent order.
-DEFAULT_FP8_FORM = "interleave"
+# With the planes form (2026-12-03, bench_kernels, device time): 64-key blocks, 1 stage: 583 us
+# at 128 x 128 (interleave, 32-key blocks: 693) and 301 us at 50 x 128 (351); 32-key blocks 840
+# and 421: the planes pay off only with the larger key block.
+FP8_LAUNCH = dict(block_h=64, block_k=64, num_warps=8, num_stages=1)
+# fp8 rows' byte order in the kernel (FP8_FORMS) where the layout allows it (planes of >= 16
+# columns; else "interleave", which puts bytes back in latent order).
+DEFAULT_FP8_FORM = "planes"
 
 
 def _plane_widths(layout, form: str) -> tuple[int, int]:
