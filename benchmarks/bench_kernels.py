@@ -580,15 +580,19 @@ def attention_cases(rng, R, heads, rows, slots_sets, tunings, scale, zero, flush
             entry = {"batch": R, "heads": H, "rows": rows, "row_bytes": layout.bytes_per_row, "implementation": kind, "tuning": tuning}
             if kind == "pallas":  # each tuning checked against the reference on the same inputs
                 try:
+                    first = time.perf_counter()
                     rel, sane = attention_error(q, kv, masked, layout, scale, tuning)
-                    entry.update(check_ok=sane and rel < 1e-2, relative_error_vs_reference=rel)
+                    # check_s: compiling this tuning's kernel (and the same reference every time) and one run of each
+                    entry.update(check_ok=sane and rel < 1e-2, relative_error_vs_reference=rel, check_s=time.perf_counter() - first)
                 except Exception as e:
                     entry.update(check_ok=False, check_error=f"{type(e).__name__}: {str(e)[:300]}")
                     RESULTS["errors"].append(traceback.format_exc()[-2000:])
             try:
                 fn = attention_loop(kind, FLAGS.iters, scale, tuning, layout)
+                first = time.perf_counter()
                 flush, c = fn(flush, q, kv, slots_sets, zero)
                 c.block_until_ready()
+                entry["first_call_s"] = time.perf_counter() - first  # the timed loop's compile and one run
                 box = {"flush": flush}
 
                 def run(f):

@@ -735,12 +735,12 @@ def test_small_grids_split_the_keys():
 
 
 def test_fp8_attention_default_form_at_deepseek_widths():
-    """At DeepSeek-V3.2's row widths (512 + 64) the default is the planes form (H200-measured),
-    and it equals the reference; the tiny rows the other tests use fall back to interleave."""
+    """At DeepSeek-V3.2's row widths (512 + 64) the default form (H200-measured) equals the
+    reference; so does the planes form, which the tiny rows the other tests use cannot take."""
     from pallas_kernels.sparse_mla_attention.pallas_triton import default_fp8_form
 
     layout = KVRowLayout(512, 64, "fp8_e4m3")
-    assert default_fp8_form(layout) == "planes" and default_fp8_form(FP8_LAYOUT) == "interleave"
+    assert default_fp8_form(layout) == "dequantize_first"
     rng = np.random.default_rng(11)
     R_, H_, S_, K_ = 2, 16, 40, 16
     values = rng.standard_normal((1, R_, S_, 576)).astype(np.float32)
@@ -749,8 +749,10 @@ def test_fp8_attention_default_form_at_deepseek_widths():
     slots = rng.integers(0, 32, (R_, K_)).astype(np.int32)
     slots[1, 3:7] = -1
     query = jnp.asarray(rng.standard_normal((R_, H_, 576)), jnp.float32)
-    attend = lambda impl: np.asarray(  # noqa: E731
-        sparse_mla_attention(query, kv, 0, jnp.asarray(slots), latent_dim=512, sm_scale=0.05, layout=layout, implementation=impl)
+    attend = lambda impl, **form: np.asarray(  # noqa: E731
+        sparse_mla_attention(query, kv, 0, jnp.asarray(slots), latent_dim=512, sm_scale=0.05, layout=layout, implementation=impl, **form)
     )
-    ref, got = attend("reference"), attend("pallas")
-    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    ref = attend("reference")
+    for form in ({}, {"fp8_form": "planes"}):
+        got = attend("pallas", **form)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=str(form))

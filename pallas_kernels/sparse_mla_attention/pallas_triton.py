@@ -352,11 +352,12 @@ def default_launch_shape(num_requests: int, num_heads: int, quantized: bool = Fa
     Measured on the H200 (docs/PERFORMANCE.md, top_k 2048, bf16): 64-head blocks win once the
     grid is large (batch 128 x 128 heads: 406 us vs 614 us for 32-head blocks; with 3 pipeline
     stages 351 us, 2026-12-03), 32-head blocks with 128-row key blocks when it is small (batch
-    16 x 128 heads: 105 us vs 207 us). fp8 rows (quantized) dequantise each key block on top of
-    that: FP8_LAUNCH."""
+    16 x 128 heads: 105 us vs 207 us); from 50 x 64 heads on, 64-head blocks with 3 stages win
+    (50 x 64: 103 vs 110 us; 50 x 128: 201 vs 210; 2026-12-03). fp8 rows (quantized) read by
+    the kernel's own forms dequantise each key block on top of that: FP8_LAUNCH."""
     if quantized:
         return dict(FP8_LAUNCH)
-    if num_requests * num_heads >= 8192:
+    if num_requests * num_heads >= 3072:
         return dict(block_h=64, block_k=64, num_warps=8, num_stages=3)
     return dict(block_h=32, block_k=128, num_warps=8, num_stages=2)
 
@@ -369,9 +370,13 @@ def default_launch_shape(num_requests: int, num_heads: int, quantized: bool = Fa
 # at 128 x 128 (interleave, 32-key blocks: 693) and 301 us at 50 x 128 (351); 32-key blocks 840
 # and 421: the planes pay off only with the larger key block.
 FP8_LAUNCH = dict(block_h=64, block_k=64, num_warps=8, num_stages=1)
-# fp8 rows' byte order in the kernel (FP8_FORMS) where the layout allows it (planes of >= 16
-# columns; else "interleave", which puts bytes back in latent order).
-DEFAULT_FP8_FORM = "planes"
+# How fp8 rows are read (FP8_FORMS). "dequantize_first" measured fastest at the DeepSeek-V3.2
+# rank's 50 x 128 (H200, 2026-12-03: 282 us with 64-head blocks and 3 stages, planes 288-303,
+# interleave 353) and compiles the plain-rows kernel (3 dots, where planes have 34): the rank's
+# HiSparse engine with the planes default took 292.7 s to be ready against 176.5 s before
+# (every batch bucket compiles its own kernel; the share of the kernel's compile in that was not
+# timed). Planes forms fall back to "interleave" where their planes are narrower than 16.
+DEFAULT_FP8_FORM = "dequantize_first"
 
 
 def _plane_widths(layout, form: str) -> tuple[int, int]:
