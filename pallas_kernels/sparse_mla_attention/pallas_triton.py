@@ -372,7 +372,7 @@ def default_launch_shape(num_requests: int, num_heads: int, quantized: bool = Fa
 FP8_LAUNCH = dict(block_h=64, block_k=64, num_warps=8, num_stages=1)
 # How fp8 rows are read (FP8_FORMS). "dequantize_first" measured fastest at the DeepSeek-V3.2
 # rank's 50 x 128 (H200, 2026-12-03: 282 us with 64-head blocks and 3 stages, planes 288-303,
-# interleave 353) and compiles the plain-rows kernel (3 dots, where planes have 34): the rank's
+# interleave 353) and compiles the plain-rows kernel (3 dots, where planes have 10): the rank's
 # HiSparse engine with the planes default took 292.7 s to be ready against 176.5 s before
 # (every batch bucket compiles its own kernel; the share of the kernel's compile in that was not
 # timed). Planes forms fall back to "interleave" where their planes are narrower than 16.
