@@ -7,11 +7,8 @@ set -uo pipefail
 OUT=${OUT:-outputs/attention}
 mkdir -p "$OUT"
 export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-FP8_TUNINGS=${FP8_TUNINGS:-'[{"fp8_form": "planes"}, {"fp8_form": "group_planes"},
- {"fp8_form": "planes", "block_k": 64, "num_stages": 1}, {"fp8_form": "group_planes", "block_k": 64, "num_stages": 1},
- {"fp8_form": "planes", "num_warps": 4}, {"fp8_form": "group_planes", "num_warps": 4},
- {"fp8_form": "planes", "block_h": 32, "block_k": 64}, {"fp8_form": "planes", "num_stages": 3}]'}
-BF16_TUNINGS=${BF16_TUNINGS:-'[{"num_warps": 4}, {"block_k": 32, "num_stages": 3}, {"block_h": 64, "block_k": 64, "num_stages": 3}]'}
+FP8_TUNINGS=${FP8_TUNINGS:-'[{"fp8_form": "planes"}, {"fp8_form": "interleave"}, {"fp8_form": "dequantize_first", "block_h": 64, "block_k": 64, "num_stages": 4}]'}
+BF16_TUNINGS=${BF16_TUNINGS:-'[{"num_stages": 2}, {"num_stages": 4}]'}
 timeout ${TEST_TIMEOUT:-120} python3 -m pytest -q -n 0 -p no:cacheprovider -W ignore --tb=short \
   tests/test_attention_layer.py -k "fp8" 2>&1 | tee "$OUT/attention_tests.log" | tail -8
 timeout ${BENCH_TIMEOUT:-420} python3 benchmarks/bench_kernels.py --sections=attention --notune --reps=5 --iters=8 \

@@ -27,7 +27,7 @@ from hisparse_jax.row_layout import KVRowLayout
 from hisparse_jax.state import FullKVState, HiSparseState, jit_donating_state
 from pallas_kernels.sparse_mla_attention import default_num_splits, sparse_mla_attention
 from pallas_kernels.common import interpret_mode
-from pallas_kernels.sparse_mla_attention.pallas_triton import FP8_FORMS, PLANE_FORMS, plane_permutation
+from pallas_kernels.sparse_mla_attention.pallas_triton import FP8_FORMS, plane_permutation
 from pallas_kernels.swap_in import SwapInPlan
 
 L, R, H, LATENT, ROPE = 2, 3, 4, 32, 16
@@ -561,7 +561,7 @@ def test_fp8_attention_kernel_equals_reference(query_dtype, tolerance, fp8_form)
             **({"fp8_form": fp8_form} if impl == "pallas" else {}),
         )
     )
-    if not interpret_mode() and fp8_form in PLANE_FORMS:
+    if not interpret_mode() and fp8_form == "planes":
         # Planes of LATENT / 4 = 8 columns are too narrow for Triton's dots: refused by name.
         with pytest.raises(ValueError, match="need >= 16"):
             attend("pallas")
@@ -582,17 +582,15 @@ def test_plane_permutation_is_a_permutation_that_matches_the_packed_bytes(form):
     every latent column of a packed random row, read plane by plane, is the dequantised value of
     column perm[c]."""
     D, rope, G = 512, 64, 128
-    perm = plane_permutation(D, G, rope, form)
+    perm = plane_permutation(D, rope, form)
     assert sorted(perm) == list(range(D + rope))
-    if form not in PLANE_FORMS:
+    if form != "planes":
         np.testing.assert_array_equal(perm, np.arange(D + rope))
         return
     layout = KVRowLayout(D, rope, "fp8_e4m3")
     row = np.asarray(layout.pack(jnp.asarray(np.random.default_rng(3).standard_normal((1, D)), jnp.float32), jnp.zeros((1, rope))))[0]
     words, scale = row[: D // 4], row[D // 4 : D // 4 + D // G].view(np.float32)
-    byte_planes = [(words >> (8 * j)) & 0xFF for j in range(4)]  # plane j: latent 4w + j
-    n = G // 4
-    planes = byte_planes if form == "planes" else [p[g * n : (g + 1) * n] for g in range(D // G) for p in byte_planes]
+    planes = [(words >> (8 * j)) & 0xFF for j in range(4)]  # plane j: latent 4w + j
     fp8 = np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(np.concatenate(planes), jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32))
     dequantised = np.asarray(layout.unpack(jnp.asarray(row))[0])  # f32[D], latent order
     np.testing.assert_array_equal(fp8 * scale[perm[:D] // G], dequantised[perm[:D]])
@@ -735,12 +733,9 @@ def test_small_grids_split_the_keys():
 
 
 def test_fp8_attention_default_form_at_deepseek_widths():
-    """At DeepSeek-V3.2's row widths (512 + 64) the default form (H200-measured) equals the
-    reference; so does the planes form, which the tiny rows the other tests use cannot take."""
-    from pallas_kernels.sparse_mla_attention.pallas_triton import default_fp8_form
-
+    """At DeepSeek-V3.2's row widths (512 + 64) the default form and the planes form (which the
+    tiny rows the other tests use cannot take on a GPU) equal the reference."""
     layout = KVRowLayout(512, 64, "fp8_e4m3")
-    assert default_fp8_form(layout) == "dequantize_first"
     rng = np.random.default_rng(11)
     R_, H_, S_, K_ = 2, 16, 40, 16
     values = rng.standard_normal((1, R_, S_, 576)).astype(np.float32)

@@ -31,17 +31,24 @@ print("finished", flush=True)
 """
 
 
-def test_a_swallowed_ctrl_c_is_raised_again_until_handled():
-    process = subprocess.Popen([sys.executable, "-c", SCRIPT], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+def interrupt_once(script: str) -> tuple[int, str, str]:
+    """Runs `script`, sends one SIGINT once it prints "ready" -> (exit status, stdout after
+    "ready", stderr)."""
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert process.stdout.readline().strip() == "ready"
         process.send_signal(signal.SIGINT)
-        out, _ = process.communicate(timeout=20)
+        out, err = process.communicate(timeout=20)
     finally:
         if process.poll() is None:
             process.kill()
-    assert process.returncode == 130, out
-    assert out.split() == ["swallowed", "interrupted"], out
+    return process.returncode, out, err
+
+
+def test_a_swallowed_ctrl_c_is_raised_again_until_handled():
+    status, out, err = interrupt_once(SCRIPT)
+    assert status == 130, (out, err)
+    assert out.split() == ["swallowed", "interrupted"], (out, err)
 
 
 def test_without_ctrl_c_nothing_is_raised():
@@ -74,13 +81,6 @@ finally:
 
 
 def test_a_repeat_does_not_cut_cleanup_short():
-    process = subprocess.Popen([sys.executable, "-c", CLEANUP], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert process.stdout.readline().strip() == "ready"
-        process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=20)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == 130, err
+    status, out, err = interrupt_once(CLEANUP)
+    assert status == 130, err
     assert out.split() == ["cleaned", "interrupted"], (out, err)

@@ -21,6 +21,17 @@ def _dot_precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
+def _online_softmax(running_max, total, scores, valid):
+    """One key block of flash attention's running softmax: scores f32[block_h, block_k] (valid
+    bool[block_k] masks keys) -> (new running max f32[block_h], new total f32[block_h], rescale
+    f32[block_h] for the accumulators, weights f32[block_h, block_k])."""
+    scores = jnp.where(valid[None, :], scores, MASKED)
+    new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))
+    rescale = jnp.exp(running_max - new_max)
+    weights = jnp.exp(scores - new_max[:, None])
+    return new_max, total * rescale + jnp.sum(weights, axis=1), rescale, weights
+
+
 def _attention_kernel(
     layer_ref,  # i32[1]
     query_ref,  # [R, H, W]
@@ -62,11 +73,7 @@ def _attention_kernel(
             jax.lax.dot_general(q, kk, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
             for q, kk in zip(queries, keys)
         ) * sm_scale  # f32[block_h, block_k]
-        scores = jnp.where(valid[None, :], scores, MASKED)
-        new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))  # f32[block_h]
-        rescale = jnp.exp(running_max - new_max)
-        weights = jnp.exp(scores - new_max[:, None])  # f32[block_h, block_k]
-        total = total * rescale + jnp.sum(weights, axis=1)
+        new_max, total, rescale, weights = _online_softmax(running_max, total, scores, valid)
         accs = [
             acc * rescale[:, None]
             + jax.lax.dot(weights.astype(kv_ref.dtype), v, precision=precision, preferred_element_type=jnp.float32)
@@ -154,9 +161,7 @@ def _fp8_attention_kernel(
     scale_word, rope_word = D // 4, D // 4 + num_groups  # first scale word, first rope word
     layer = layer_ref[0]
     precision = _dot_precision(compute_dtype)
-    heads = head_block * block_h + jnp.arange(block_h, dtype=jnp.int32)
-    head_ok = heads < H
-    safe_heads = common.safe_index(heads, head_ok, H)
+    safe_heads, head_ok = common.head_block(head_block * block_h, block_h, H)
 
     def load_query(start, size):
         block = common.row_block((r,), safe_heads, start, size, interpret)
@@ -198,11 +203,7 @@ def _fp8_attention_kernel(
         rope = jnp.stack(halves, axis=-1).reshape(block_k, rope_dim)  # u16[block_k, rope], rope order
         rope = jax.lax.bitcast_convert_type(rope, jnp.bfloat16).astype(compute_dtype)
         scores = (dot_t(q_latent, keys) + dot_t(q_rope, rope)) * sm_scale  # f32[block_h, block_k]
-        scores = jnp.where(valid[None, :], scores, MASKED)
-        new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))  # f32[block_h]
-        rescale = jnp.exp(running_max - new_max)
-        weights = jnp.exp(scores - new_max[:, None])  # f32[block_h, block_k]
-        total = total * rescale + jnp.sum(weights, axis=1)
+        new_max, total, rescale, weights = _online_softmax(running_max, total, scores, valid)
         acc = acc * rescale[:, None] + jax.lax.dot(
             weights.astype(compute_dtype), keys, precision=precision, preferred_element_type=jnp.float32
         )
@@ -231,13 +232,13 @@ def _fp8_planes_kernel(
     block_k: int,
     compute_dtype,
     num_splits: int,
-    per_group: bool,
     interpret: bool,
 ):
     """fp8 rows without putting bytes back in latent order: byte j of every word is a plane of
     the latent (columns 4w + j), and the query and output columns are permuted to match
-    (plane_permutation), so each plane goes to the matmuls as it is. per_group: one plane per
-    (group, byte), scaled by one per-row scale (no select); else one per byte, scaled by selects."""
+    (plane_permutation), so each plane goes to the matmuls as it is, scaled by selects on its
+    columns' groups. (One plane per group and byte, 34 dots per key block, measured slower
+    everywhere on the H200: docs/PERFORMANCE.md, 2026-12-03.)"""
     r, head_block = pl.program_id(0), pl.program_id(1)
     H, K, S = query_ref.shape[1], slots_ref.shape[1], kv_ref.shape[2]
     D, G = latent_dim, group_size
@@ -246,12 +247,7 @@ def _fp8_planes_kernel(
     layer = layer_ref[0]
     precision = _dot_precision(compute_dtype)
     safe_heads, head_ok = common.head_block(head_block * block_h, block_h, H)
-    # (first word, words) of each plane's word range, its byte, and its output columns.
-    if per_group:
-        planes = [(g * words_per_group, words_per_group, j, g * G + j * words_per_group) for g in range(num_groups) for j in range(4)]
-    else:
-        planes = [(0, D // 4, j, j * (D // 4)) for j in range(4)]
-    value_pieces = [(column, n) for _, n, _, column in planes]
+    value_pieces = [(j * (D // 4), D // 4) for j in range(4)]  # plane j's output columns
     queries = [
         common.gather_rows(query_ref, (r,), safe_heads, head_ok, column, n, interpret).astype(compute_dtype) for column, n in value_pieces
     ]  # [block_h, n] each
@@ -276,30 +272,21 @@ def _fp8_planes_kernel(
 
         # f32[block_k] per group: a masked entry reads a zero word, so zero values.
         scales = [jax.lax.bitcast_convert_type(common.gather(kv_ref, (*row, safe_slot, scale_word + g), valid, 0), jnp.float32) for g in range(num_groups)]
-        keys, words_at = [], {}
-        for first, n, j, _ in planes:
-            if first not in words_at:
-                words_at = {first: load_words(first, n)}
-            plane = ((words_at[first] >> (8 * j)) & 0xFF).astype(jnp.uint8)
-            plane = jax.lax.bitcast_convert_type(plane, jnp.float8_e4m3fn).astype(jnp.float32)  # f32[block_k, n]
-            if per_group:
-                scale = scales[first // words_per_group][:, None]
-            else:  # column w of the plane is latent 4w + j: group w // words_per_group
-                column = jnp.arange(n, dtype=jnp.int32)[None, :] // words_per_group
-                scale = 0.0
-                for g in range(num_groups):
-                    scale = jnp.where(column == g, scales[g][:, None], scale)
-            keys.append((plane * scale).astype(compute_dtype))  # [block_k, n]
+        words = load_words(0, D // 4)  # u32[block_k, D / 4]
+        group = jnp.arange(D // 4, dtype=jnp.int32)[None, :] // words_per_group  # plane column w is latent 4w + j: group w // (G / 4)
+        scale = 0.0
+        for g in range(num_groups):  # f32[block_k, D / 4]: each plane column's group scale
+            scale = jnp.where(group == g, scales[g][:, None], scale)
+        keys = []
+        for j in range(4):
+            plane = jax.lax.bitcast_convert_type(((words >> (8 * j)) & 0xFF).astype(jnp.uint8), jnp.float8_e4m3fn)
+            keys.append((plane.astype(jnp.float32) * scale).astype(compute_dtype))  # [block_k, D / 4]: latent 4w + j
         words = load_words(rope_word, rope_words)
         ropes = [
             jax.lax.bitcast_convert_type(((words >> (16 * j)) & 0xFFFF).astype(jnp.uint16), jnp.bfloat16).astype(compute_dtype) for j in range(2)
         ]  # [block_k, rope / 2] each: rope columns 2w + j
         scores = sum(dot_t(q, kk) for q, kk in zip(queries + rope_queries, keys + ropes)) * sm_scale  # f32[block_h, block_k]
-        scores = jnp.where(valid[None, :], scores, MASKED)
-        new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))  # f32[block_h]
-        rescale = jnp.exp(running_max - new_max)
-        weights = jnp.exp(scores - new_max[:, None])  # f32[block_h, block_k]
-        total = total * rescale + jnp.sum(weights, axis=1)
+        new_max, total, rescale, weights = _online_softmax(running_max, total, scores, valid)
         weights = weights.astype(compute_dtype)
         accs = [
             acc * rescale[:, None] + jax.lax.dot(weights, v, precision=precision, preferred_element_type=jnp.float32) for acc, v in zip(accs, keys)
@@ -315,24 +302,18 @@ def _fp8_planes_kernel(
     _store(out_refs, r, safe_heads, head_ok, value_pieces, accs, running_max, total, num_splits, interpret)
 
 
-FP8_FORMS = ("interleave", "planes", "group_planes", "dequantize_first")
-PLANE_FORMS = ("planes", "group_planes")  # the forms that permute the query's columns
+FP8_FORMS = ("interleave", "planes", "dequantize_first")
 
 
-def plane_permutation(latent_dim: int, group_size: int, rope_dim: int, form: str) -> np.ndarray:
+def plane_permutation(latent_dim: int, rope_dim: int, form: str) -> np.ndarray:
     """i32[D + rope]: column c of a plane-ordered query (or output) is column perm[c] of the
     logical one. Byte j of word w holds latent 4w + j; "planes" orders columns by byte, then
-    word; "group_planes" by group, then byte, then word; the rope's bf16 pairs by half, then
-    pair. The other forms read columns in latent order: the identity."""
+    word, and the rope's bf16 pairs by half, then pair. The other forms read columns in latent
+    order: the identity."""
     D, rope = latent_dim, rope_dim
-    if form not in PLANE_FORMS:
+    if form != "planes":
         return np.arange(D + rope, dtype=np.int32)
-    words_per_group = group_size // 4
-    word = np.arange(D // 4)
-    if form == "planes":
-        latent = [4 * word + j for j in range(4)]
-    else:
-        latent = [4 * word[g * words_per_group : (g + 1) * words_per_group] + j for g in range(D // group_size) for j in range(4)]
+    latent = [4 * np.arange(D // 4) + j for j in range(4)]
     halves = [D + 2 * np.arange(rope // 2) + j for j in range(2)]
     return np.concatenate(latent + halves).astype(np.int32)
 
@@ -375,27 +356,20 @@ FP8_LAUNCH = dict(block_h=64, block_k=64, num_warps=8, num_stages=1)
 # interleave 353) and compiles the plain-rows kernel (3 dots, where planes have 10): the rank's
 # HiSparse engine with the planes default took 292.7 s to be ready against 176.5 s before
 # (every batch bucket compiles its own kernel; the share of the kernel's compile in that was not
-# timed). Planes forms fall back to "interleave" where their planes are narrower than 16.
+# timed).
 DEFAULT_FP8_FORM = "dequantize_first"
 
 
-def _plane_widths(layout, form: str) -> tuple[int, int]:
-    """(latent plane width, rope half width) the planes forms hand to the matmuls."""
-    return (layout.group_size // 4 if form == "group_planes" else layout.latent_dim // 4), layout.rope_dim // 2
-
-
-def default_fp8_form(layout) -> str:
-    """DEFAULT_FP8_FORM where its planes are wide enough for Triton's dots (>= 16), else "interleave"."""
-    if DEFAULT_FP8_FORM in PLANE_FORMS and min(_plane_widths(layout, DEFAULT_FP8_FORM)) < 16:
-        return "interleave"
-    return DEFAULT_FP8_FORM
+def _plane_widths(layout) -> tuple[int, int]:
+    """(latent plane width, rope half width) the planes form hands to the matmuls."""
+    return layout.latent_dim // 4, layout.rope_dim // 2
 
 
 def _check_fp8_form(form: str, layout) -> None:
     if form not in FP8_FORMS:
         raise ValueError(f"fp8_form {form!r} is not one of {FP8_FORMS}")
-    if form in PLANE_FORMS and not common.interpret_mode() and min(_plane_widths(layout, form)) < 16:
-        raise ValueError(f"fp8_form {form!r} hands Triton's dots planes of {_plane_widths(layout, form)} columns; they need >= 16")
+    if form == "planes" and not common.interpret_mode() and min(_plane_widths(layout)) < 16:
+        raise ValueError(f"fp8_form 'planes' hands Triton's dots planes of {_plane_widths(layout)} columns; they need >= 16")
 
 
 @common.lower_once
@@ -412,7 +386,8 @@ def sparse_mla_attention_pallas(
     DEFAULT_FP8_FORM): how the kernel reads the packed bytes, one of FP8_FORMS (see
     _fp8_planes_kernel and plane_permutation)."""
     check_inputs(query, kv, layer, slots, latent_dim, layout)
-    if is_quantized(layout) and (fp8_form or default_fp8_form(layout)) == "dequantize_first":
+    fp8_form = fp8_form or DEFAULT_FP8_FORM
+    if is_quantized(layout) and fp8_form == "dequantize_first":
         return _dequantize_then_attend(
             query, kv, layer, slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=layout, block_h=block_h, block_k=block_k,
             num_warps=num_warps, num_stages=num_stages, num_splits=num_splits,
@@ -432,10 +407,9 @@ def sparse_mla_attention_pallas(
     if is_quantized(layout):
         _check_fp8_kernel_sizes(layout)
         compute_dtype = jnp.float32 if jnp.dtype(query.dtype) == jnp.float32 else jnp.bfloat16
-        fp8_form = fp8_form or default_fp8_form(layout)
         _check_fp8_form(fp8_form, layout)
-        if fp8_form in PLANE_FORMS:
-            permutation = plane_permutation(latent_dim, layout.group_size, layout.rope_dim, fp8_form)  # i32[D + rope]
+        if fp8_form == "planes":
+            permutation = plane_permutation(latent_dim, layout.rope_dim, fp8_form)  # i32[D + rope]
             query = query[..., permutation]
         kernel = functools.partial(
             _fp8_planes_kernel,
@@ -447,7 +421,6 @@ def sparse_mla_attention_pallas(
             block_k=block_k,
             compute_dtype=compute_dtype,
             num_splits=num_splits,
-            per_group=fp8_form == "group_planes",
             interpret=common.interpret_mode(),
         ) if permutation is not None else functools.partial(
             _fp8_attention_kernel,
