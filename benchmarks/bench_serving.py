@@ -110,6 +110,11 @@ flags.DEFINE_enum(
     " the weights (replaces --num_layers, --num_experts, --num_heads, --kv_budget_gb_per_layer).",
 )
 flags.DEFINE_float("mem_fraction_static", 0.85, "With --preset: the share of device memory for weights + KV (SGLang's flag).")
+flags.DEFINE_bool(
+    "fp8_activations", False,
+    "fp8 weights: quantise the activations to e4m3 per 128-block before each fp8 matmul (w8a8, the checkpoints'"
+    " activation_scheme 'dynamic' as SGLang runs them; DSAModelConfig.fp8_activations). Default: the w8a16 numbers.",
+)  # fmt: skip
 flags.DEFINE_enum("weights_dtype", "bfloat16", ["bfloat16", "fp8_e4m3"], "Random weights: bf16, or block FP8 (128 x 128) as the FP8 checkpoints.")
 flags.DEFINE_bool(
     "disable_overlap_schedule", False,
@@ -155,10 +160,13 @@ def save():
 
 def model_config() -> DSAModelConfig:
     block = (128, 128) if FLAGS.weights_dtype == "fp8_e4m3" or FLAGS.preset else None
+    if FLAGS.fp8_activations and block is None:
+        raise app.UsageError("--fp8_activations needs fp8 weights: --weights_dtype=fp8_e4m3 or a --preset")
     if FLAGS.preset and not FLAGS.smoke:
-        return ep8_rank_config(PRESETS[FLAGS.preset], weight_block_size=block)
+        return ep8_rank_config(PRESETS[FLAGS.preset], weight_block_size=block).replace(fp8_activations=FLAGS.fp8_activations)
     config = bench_model_config(smoke=FLAGS.smoke, num_layers=FLAGS.num_layers, num_experts=FLAGS.num_experts, num_heads=FLAGS.num_heads)
-    return config.replace(weight_block_size=None if block is None else ((16, 16) if FLAGS.smoke else block))
+    block = None if block is None else ((16, 16) if FLAGS.smoke else block)
+    return config.replace(weight_block_size=block, fp8_activations=FLAGS.fp8_activations)
 
 
 def all_to_all_bytes_per_token(config: DSAModelConfig) -> int:
@@ -234,7 +242,7 @@ def build() -> Setup:
     footprint = DeviceFootprint.of(config, dtype, None, kv_cache_dtype)
     row_bytes, key_bytes = footprint.row_bytes, footprint.key_bytes
     RESULTS["setup"] = dict(
-        model=dict(base=PRESETS.get(FLAGS.preset, "deepseek_v32"), weights=f"random, {FLAGS.weights_dtype if not FLAGS.preset else 'fp8_e4m3'}",
+        model=dict(base=PRESETS.get(FLAGS.preset, "deepseek_v32"), weights=f"random, {FLAGS.weights_dtype if not FLAGS.preset else 'fp8_e4m3'}", fp8_activations=FLAGS.fp8_activations,
                    num_layers=config.num_layers, num_heads=config.num_heads,
                    hidden_size=config.hidden_size, kv_row_width=config.kv_row_width, index_n_heads=config.index_n_heads,
                    index_head_dim=config.index_head_dim, index_topk=config.index_topk,

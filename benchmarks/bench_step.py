@@ -28,6 +28,8 @@ ratio, max_rel_err, ...}], "step": [{running, ms, ...}], "host_idle_fraction", a
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import os
 import sys
 import time
@@ -40,6 +42,11 @@ PARSER.add_argument("--tokens", default="1,8,24,64,88,128,256")
 PARSER.add_argument("--moe_models", default="deepseek_v32,glm_5_1")
 PARSER.add_argument("--later_model_tokens", default="8,88,256", help="tokens for the MoE models after the first (compiles are the cost)")
 PARSER.add_argument("--moe_weights", default="bfloat16,fp8_e4m3", help="the MoE table's weight dtypes")
+PARSER.add_argument("--moe_impls", default="", help="the MoE table's implementations (comma list; empty: all that run here)")
+PARSER.add_argument(
+    "--w8a8_tunings", default=os.environ.get("W8A8_TUNINGS", ""),
+    help='JSON list of {"name": ..., <TritonConfig field>: value, ...}: the w8a8 kernel with the default config so changed,'
+         ' each an implementation "w8a8:<name>" of the fp8 MoE rows (the sweep for 64+ rows per expert)')  # fmt: skip
 PARSER.add_argument("--calls", type=int, default=10)
 PARSER.add_argument("--running", default="1,4,16,24,64,88")
 PARSER.add_argument("--context", type=int, default=32768)
@@ -104,26 +111,48 @@ def moe_floor_us(config: DSAModelConfig, touched: int, fp8: bool) -> float:
     return touched * (weights + scales) / HBM_BYTES_PER_S * 1e6
 
 
+def tuned_config(default_config, fields: dict, M: int, G: int, K: int, N: int, fp8: bool, **kwargs):
+    """default_config with a tuning's fields; split_k back to 1 where the new block_k does not
+    divide K into split_k slices, block_n halved to a divisor of N."""
+    cfg = default_config(M, G, K, N, fp8, **kwargs).replace(**fields)
+    if K % (cfg.block_k * cfg.split_k):
+        cfg = cfg.replace(split_k=1)
+    while N % cfg.block_n:
+        cfg = cfg.replace(block_n=cfg.block_n // 2)
+    return cfg
+
+
 def moe_case(model_name: str, weights_dtype: str, tokens: list[int]):
     fp8 = weights_dtype == "fp8_e4m3"
     config = rank_config(model_name, (128, 128) if fp8 else None)
     experts = Experts(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(experts)
+    # "fp8_activations": the model's own w8a8 switch (DSAModelConfig.fp8_activations), default routing
+    w8a8_graphdef = nnx.split(Experts(config.replace(fp8_activations=True), dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))[0] if fp8 else None
     E, X = config.n_routed_experts, config.num_experts_per_tok
-    pallas_variants = ["pallas_f16", "pallas_w8a8"] if fp8 else []
+    tunings = {f"w8a8:{t['name']}": {k: v for k, v in t.items() if k != "name"} for t in json.loads(ARGS.w8a8_tunings or "[]")} if fp8 else {}
+    pallas_variants = ["pallas_f16", "pallas_w8a8", *tunings] if fp8 else []
     impls = ["reference", "pallas", *pallas_variants] + (["tokamax"] if tokamax_mosaic.available() and not ARGS.smoke else [])
+    impls += ["fp8_activations"] if fp8 else []
+    if ARGS.moe_impls:  # the reference always: every row is checked against it
+        impls = ["reference"] + [i for i in impls if i in ARGS.moe_impls.split(",") or i in tunings]
 
     def run(impl):
         def f(params, x, w, ids):
-            # "pallas_f16" / "pallas_w8a8": the Pallas kernel with pallas_triton's "f16" / "w8a8"
-            # conversion ("pallas" alone: "native"); set at trace time, the jit keeps it
-            default = pallas_triton.DEFAULT_FP8_CONVERSION
-            pallas_triton.DEFAULT_FP8_CONVERSION = impl.split("_")[1] if impl in pallas_variants else "native"
+            # "pallas_f16" / "pallas_w8a8" / "w8a8:<tuning>": the Pallas kernel with pallas_triton's
+            # "f16" / "w8a8" conversion ("pallas" alone: "native"), a tuning's fields over the
+            # default config; set at trace time, the jit keeps them
+            default, default_config = pallas_triton.DEFAULT_FP8_CONVERSION, pallas_triton.default_config
+            pallas_triton.DEFAULT_FP8_CONVERSION = "w8a8" if impl in tunings else impl.split("_")[1] if impl in pallas_variants else "native"
+            if impl in tunings:
+                pallas_triton.default_config = functools.partial(tuned_config, default_config, tunings[impl])
             try:
+                if impl == "fp8_activations":  # the default implementation, as the model runs it
+                    return nnx.merge(w8a8_graphdef, params)(x, w, ids)
                 with matmul_implementation("pallas" if impl in pallas_variants else impl):
                     return nnx.merge(graphdef, params)(x, w, ids)
-            finally:  # the model's default again for whatever traces next
-                pallas_triton.DEFAULT_FP8_CONVERSION = default
+            finally:  # the model's defaults again for whatever traces next
+                pallas_triton.DEFAULT_FP8_CONVERSION, pallas_triton.default_config = default, default_config
 
         return jax.jit(f)
 
@@ -139,16 +168,23 @@ def moe_case(model_name: str, weights_dtype: str, tokens: list[int]):
         touched = int(np.unique(np.asarray(ids)).size)
         floor = moe_floor_us(config, touched, fp8)
         ref = np.asarray(fns["reference"](params, x, w, ids), np.float32)
+        outputs = {}  # impl -> its output: a tuning is checked against the default w8a8 too
+
+        def rel_err(out, ref):
+            return float(np.max(np.abs(out - ref)) / max(float(np.max(np.abs(ref))), 1e-6))
+
         for impl in impls:
             def one(impl=impl):
-                out = np.asarray(fns[impl](params, x, w, ids), np.float32)
-                err = float(np.max(np.abs(out - ref)) / max(float(np.max(np.abs(ref))), 1e-6))
+                out = outputs[impl] = np.asarray(fns[impl](params, x, w, ids), np.float32)
+                err = rel_err(out, ref)
                 events, _ = device_timing.record(lambda: fns[impl](params, x, w, ids).block_until_ready(), ARGS.calls)
                 busy = device_timing.busy_per_call(events, ARGS.calls)
                 row = dict(model=model_name, tokens=T, weights_dtype=weights_dtype, implementation=impl, touched_experts=touched,
                            floor_us=floor, max_rel_err=err, **device_timing.summary(busy, "busy"))  # fmt: skip
                 row["us"] = row.get("busy_us")
                 row["ratio"] = None if row["us"] is None else row["us"] / floor
+                if (impl in tunings or impl == "fp8_activations") and "pallas_w8a8" in outputs:  # same arithmetic: f32 order only
+                    row["max_rel_err_vs_w8a8"] = rel_err(out, outputs["pallas_w8a8"])
                 RESULTS["moe"].append(row)
                 log(f"moe {model_name} {weights_dtype} T={T} {impl}: {row['us']} us (floor {floor:.0f}, x{row['ratio'] or 0:.2f}) err {err:.1e}")
 

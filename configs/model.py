@@ -100,6 +100,12 @@ class DSAModelConfig:
     # routed experts, kept fp8 on the device (models.common.fp8); kv_b_proj (absorbed into the
     # queries), the indexer's weights_proj, the router, embeddings and lm_head stay in the model dtype.
     weight_block_size: tuple[int, int] | None = None
+    # With block-FP8 weights: quantise the activations to e4m3 (per row and 128-wide block) before
+    # each fp8-weight matmul and multiply on fp8 tensor cores (w8a8: the checkpoints'
+    # "activation_scheme": "dynamic", as DeepSeek's inference code and SGLang run them; ~3% per
+    # activation). False: the numbers of the weights dequantised at load, the reference
+    # implementation's (pallas_kernels.grouped_matmul, "fp8_activations").
+    fp8_activations: bool = False
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -141,6 +147,8 @@ class DSAModelConfig:
         block = self.weight_block_size
         if block is not None and (len(block) != 2 or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in block)):
             raise ValueError(f"weight_block_size={block!r} must be None or two positive integers")
+        if self.fp8_activations and block is None:
+            raise ValueError("fp8_activations needs block-FP8 weights (weight_block_size)")
 
     # ---- derived sizes -------------------------------------------------------------------------
 

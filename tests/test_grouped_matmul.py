@@ -85,8 +85,8 @@ def test_pallas_fp8_writes_every_row_and_equals_reference(transpose, config):
 
 
 @pytest.mark.parametrize(
-    "transpose, config", [(False, CONFIGS[0]), (True, CONFIGS[2])], ids=["kn_subtiles", "nk_split_k"]
-)  # both layouts, both output paths (direct, f32 partials); CI time keeps it to two
+    "transpose, config", [(False, CONFIGS[0]), (True, CONFIGS[2]), (True, CONFIGS[1])], ids=["kn_subtiles", "nk_split_k", "nk_swap_ab"]
+)  # both layouts, both output paths (direct, f32 partials), the swapped dot (rows' scales across columns)
 def test_pallas_w8a8_equals_reference_over_quantised_rows(transpose, config):
     """fp8_conversion "w8a8" (activations quantised per row and K block, the dot on fp8): every row
     written (NaN-poisoned output), equal to the reference over the same quantised activations
@@ -152,3 +152,71 @@ def test_bad_inputs_are_refused():
         grouped_matmul(lhs, rhs, gs, implementation="cuda")
     with pytest.raises(ValueError, match="power of two"):
         TritonConfig(block_m=24)
+
+
+# ---- fp8_activations (w8a8): the api, its configs, a model ----------------------------------------
+
+
+def test_fp8_activations_pallas_equals_its_reference_and_refuses_what_it_cannot_run():
+    """grouped_matmul / fp8_matmul with fp8_activations: the kernel (w8a8_config, interpret mode)
+    equals the reference over the same rounded activations; not the w8a16 numbers; tokamax and
+    bf16 weights are refused by name."""
+    sizes = [3, 0, 40, 5]
+    lhs, values, scale, gs = random_case(5, sizes, M=sum(sizes) + 2, fp8=True, transpose=True)
+    ref = grouped_matmul(lhs, values, gs, rhs_scale=scale, transpose_rhs=True, implementation="reference",
+                         preferred_element_type=jnp.float32, fp8_activations=True)  # fmt: skip
+    out = grouped_matmul(lhs, values, gs, rhs_scale=scale, transpose_rhs=True, implementation="pallas",
+                         preferred_element_type=jnp.float32, fp8_activations=True)  # fmt: skip
+    assert_close(out, ref, jnp.float32)
+    assert np.all(np.asarray(out)[sum(sizes):] == 0)
+    w8a16 = grouped_matmul(lhs, values, gs, rhs_scale=scale, transpose_rhs=True, implementation="reference", preferred_element_type=jnp.float32)
+    rel = np.max(np.abs(np.asarray(ref) - np.asarray(w8a16))) / np.max(np.abs(np.asarray(w8a16)))
+    assert 1e-4 < rel < 0.05, rel
+    dense_ref = fp8_matmul(lhs, values[2], scale[2], implementation="reference", fp8_activations=True)
+    dense = fp8_matmul(lhs, values[2], scale[2], implementation="pallas", fp8_activations=True)
+    assert_close(dense, dense_ref, jnp.bfloat16)
+    with pytest.raises(ValueError, match="tokamax"):
+        grouped_matmul(lhs, values, gs, rhs_scale=scale, transpose_rhs=True, implementation="tokamax", fp8_activations=True)
+    bf16_lhs, bf16_rhs, _, bf16_gs = random_case(5, sizes)
+    with pytest.raises(ValueError, match="fp8_activations needs fp8 weights"):
+        grouped_matmul(bf16_lhs, bf16_rhs, bf16_gs, fp8_activations=True)
+
+
+@pytest.mark.parametrize("tokens, expected", [(8, dict(swap_ab=False, m_subtiles=1, block_m=16)),
+                                              (88, dict(swap_ab=True, block_m=32, m_subtiles=1)),
+                                              (256, dict(swap_ab=False, block_m=64, m_subtiles=1))])  # fmt: skip
+def test_w8a8_config_follows_the_measured_tilings(tokens, expected):
+    """DeepSeek-V3.2's EP8 rank (32 experts, top-8): the tiling of each rows-per-expert range."""
+    from pallas_kernels.grouped_matmul import w8a8_config
+
+    cfg = w8a8_config(8 * tokens, 32, 7168, 4096)
+    assert cfg.fp8_conversion == "w8a8"
+    assert {k: getattr(cfg, k) for k in expected} == expected
+
+
+def test_a_model_with_fp8_activations_runs_w8a8_everywhere():
+    """The tiny DeepSeek model with block-FP8 weights: fp8_activations changes its logits by the
+    activations' rounding (a few percent, not zero), and its Pallas matmuls (interpret mode) equal
+    the reference's over the same rounding."""
+    from flax import nnx
+
+    from configs.model import DSAModelConfig
+    from models.common.layers import matmul_implementation
+    from models.dsa.model import DSAForCausalLM, forward
+
+    base = DSAModelConfig.tiny().replace(weight_block_size=(16, 16))
+    with pytest.raises(ValueError, match="fp8_activations needs block-FP8"):
+        DSAModelConfig.tiny().replace(fp8_activations=True)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, base.vocab_size, (1, 12)), jnp.int32)
+
+    def logits(config, implementation):
+        model = DSAForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0))  # same seed: the same weights
+        with matmul_implementation(implementation):
+            return np.asarray(forward(model, tokens)[0], np.float32)
+
+    w8a16 = logits(base, "reference")
+    w8a8 = logits(base.replace(fp8_activations=True), "reference")
+    w8a8_pallas = logits(base.replace(fp8_activations=True), "pallas")
+    scale = np.abs(w8a16).max()
+    assert 1e-4 < np.abs(w8a8 - w8a16).max() / scale < 0.1
+    assert np.abs(w8a8_pallas - w8a8).max() / scale < 1e-4

@@ -59,8 +59,12 @@ class Linear(nnx.Module):
     (models.common.fp8.dequantize, cast to `dtype`).
     """
 
-    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, block: tuple[int, int] | None = None):
+    def __init__(
+        self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, block: tuple[int, int] | None = None,
+        fp8_activations: bool = False,
+    ):  # fmt: skip
         self.dtype = dtype  # the activations' and results' dtype (fp8 weights are dequantised to it)
+        self.fp8_activations = fp8_activations  # block FP8 only: w8a8 (DSAModelConfig.fp8_activations)
         if block is None:
             self.weight = fan_in_normal(rngs, (out_features, in_features), dtype, in_features)  # [O, I]
             self.weight_scale_inv = None
@@ -76,7 +80,8 @@ class Linear(nnx.Module):
             return einsum("...i,oi->...o", x.astype(weight.dtype), weight)
         lead = x.shape[:-1]
         y = fp8_matmul(
-            x.reshape(-1, x.shape[-1]).astype(self.dtype), weight, self.weight_scale_inv[...], implementation=current_matmul_implementation()
+            x.reshape(-1, x.shape[-1]).astype(self.dtype), weight, self.weight_scale_inv[...],
+            implementation=current_matmul_implementation(), fp8_activations=self.fp8_activations,
         )  # [T, O]
         return y.reshape(*lead, y.shape[-1])
 
@@ -115,8 +120,11 @@ class LayerNorm(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU feed-forward: the dense layers' MLP and the MoE's shared experts."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs, block: tuple[int, int] | None = None):
-        linear = functools.partial(Linear, dtype=dtype, rngs=rngs, block=block)
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, *, dtype, rngs: nnx.Rngs, block: tuple[int, int] | None = None,
+        fp8_activations: bool = False,
+    ):  # fmt: skip
+        linear = functools.partial(Linear, dtype=dtype, rngs=rngs, block=block, fp8_activations=fp8_activations)
         self.gate_proj = linear(hidden_size, intermediate_size)  # [F, I]
         self.up_proj = linear(hidden_size, intermediate_size)  # [F, I]
         self.down_proj = linear(intermediate_size, hidden_size)  # [I, F]

@@ -63,6 +63,7 @@ class Experts(nnx.Module):
         E, D, F = config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
         self.dtype = dtype  # the activations' dtype
         block = config.weight_block_size
+        self.fp8_activations = config.fp8_activations  # w8a8 over the block-FP8 experts
         for name, (fan_in, fan_out) in (("gate_proj", (D, F)), ("up_proj", (D, F)), ("down_proj", (F, D))):
             if block is None:
                 setattr(self, name, fan_in_normal(rngs, (E, fan_in, fan_out), dtype, fan_in))  # [E, in, out]
@@ -89,7 +90,8 @@ class Experts(nnx.Module):
         def grouped(lhs, name):
             rhs, scale = self._weight(name)
             return grouped_matmul(
-                lhs, rhs, group_sizes, rhs_scale=scale, transpose_rhs=scale is not None, implementation=current_matmul_implementation()
+                lhs, rhs, group_sizes, rhs_scale=scale, transpose_rhs=scale is not None, implementation=current_matmul_implementation(),
+                fp8_activations=self.fp8_activations,
             )
 
         h = jax.nn.silu(grouped(xs, "gate_proj")) * grouped(xs, "up_proj")  # [M, F]
@@ -108,7 +110,9 @@ class MoE(nnx.Module):
         self.experts = Experts(config, dtype=dtype, rngs=rngs)
         shared = config.moe_intermediate_size * config.n_shared_experts
         block = config.weight_block_size
-        self.shared_experts = MLP(config.hidden_size, shared, dtype=dtype, rngs=rngs, block=block) if shared else None
+        self.shared_experts = MLP(
+            config.hidden_size, shared, dtype=dtype, rngs=rngs, block=block, fp8_activations=config.fp8_activations
+        ) if shared else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [T, D] -> [T, D]."""

@@ -13,6 +13,8 @@ them) each key as I fp8_e4m3 values plus one float32 scale: quantize_keys / dequ
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,9 +34,11 @@ class Indexer(nnx.Module):
         self.head_dim = config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.interleaved = config.indexer_rope_interleave
-        block = config.weight_block_size
-        self.wq_b = Linear(config.q_lora_rank, self.num_heads * self.head_dim, dtype=dtype, rngs=rngs, block=block)  # [G*I, Q]
-        self.wk = Linear(config.hidden_size, self.head_dim, dtype=dtype, rngs=rngs, block=block)  # [I, D]
+        fp8_linear = functools.partial(
+            Linear, dtype=dtype, rngs=rngs, block=config.weight_block_size, fp8_activations=config.fp8_activations
+        )
+        self.wq_b = fp8_linear(config.q_lora_rank, self.num_heads * self.head_dim)  # [G*I, Q]
+        self.wk = fp8_linear(config.hidden_size, self.head_dim)  # [I, D]
         self.k_norm = LayerNorm(self.head_dim, eps=1e-6, dtype=dtype)  # eps fixed in the reference
         # transformers keeps weights_proj in float32 whatever the model dtype.
         self.weights_proj = Linear(config.hidden_size, self.num_heads, dtype=jnp.float32, rngs=rngs)  # [G, D]

@@ -36,7 +36,10 @@ class DecoderLayer(nnx.Module):
         if config.mlp_layer_types[layer] == "sparse":
             self.mlp = MoE(config, dtype=dtype, rngs=rngs)
         else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs, block=config.weight_block_size)
+            self.mlp = MLP(
+                config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs, block=config.weight_block_size,
+                fp8_activations=config.fp8_activations,
+            )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 

@@ -13,6 +13,8 @@ same logits through expanded keys; the two agree to float32 round-off.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -31,16 +33,19 @@ class MLAttention(nnx.Module):
         self.latent_dim = config.kv_lora_rank
         self.v_dim = config.v_head_dim
         H, A, P = config.num_heads, config.kv_lora_rank, config.qk_rope_head_dim
-        block = config.weight_block_size  # block FP8 for the projections below, except kv_b_proj
-        self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank, dtype=dtype, rngs=rngs, block=block)  # [Q, D]
+        # block FP8 for the projections below, except kv_b_proj
+        fp8_linear = functools.partial(
+            Linear, dtype=dtype, rngs=rngs, block=config.weight_block_size, fp8_activations=config.fp8_activations
+        )
+        self.q_a_proj = fp8_linear(config.hidden_size, config.q_lora_rank)  # [Q, D]
         self.q_a_layernorm = RMSNorm(config.q_lora_rank, 1e-6, dtype=dtype)  # eps fixed in the reference
-        self.q_b_proj = Linear(config.q_lora_rank, H * config.qk_head_dim, dtype=dtype, rngs=rngs, block=block)  # [H*(N+P), Q]
-        self.kv_a_proj_with_mqa = Linear(config.hidden_size, A + P, dtype=dtype, rngs=rngs, block=block)  # [A+P, D]
+        self.q_b_proj = fp8_linear(config.q_lora_rank, H * config.qk_head_dim)  # [H*(N+P), Q]
+        self.kv_a_proj_with_mqa = fp8_linear(config.hidden_size, A + P)  # [A+P, D]
         self.kv_a_layernorm = RMSNorm(A, 1e-6, dtype=dtype)
         # kv_b_proj stays in the model dtype: its halves are absorbed into the queries and outputs
         # as whole matrices (_kv_b), not multiplied as a linear layer.
         self.kv_b_proj = Linear(A, H * (self.nope_dim + self.v_dim), dtype=dtype, rngs=rngs)  # [H*(N+V), A]
-        self.o_proj = Linear(H * self.v_dim, config.hidden_size, dtype=dtype, rngs=rngs, block=block)  # [D, H*V]
+        self.o_proj = fp8_linear(H * self.v_dim, config.hidden_size)  # [D, H*V]
         full = config.indexer_types[layer] == "full"
         self.indexer = Indexer(config, dtype=dtype, rngs=rngs) if full else None
 

@@ -115,8 +115,6 @@ class TritonConfig:
             raise ValueError(f"{self.num_stages=} must be >= 1")
         if self.fp8_conversion not in FP8_CONVERSIONS:
             raise ValueError(f"{self.fp8_conversion=} must be one of {FP8_CONVERSIONS}")
-        if self.fp8_conversion == "w8a8" and self.swap_ab:
-            raise ValueError("fp8_conversion 'w8a8' does not run with swap_ab")
 
     def replace(self, **changes) -> "TritonConfig":
         return dataclasses.replace(self, **changes)
@@ -177,6 +175,21 @@ def default_config(M: int, G: int, K: int, N: int, fp8: bool, num_sms: int = 132
         num_warps=num_warps,
         num_stages=num_stages,
     )
+
+
+def w8a8_config(M: int, G: int, K: int, N: int, num_sms: int = 132) -> TritonConfig:
+    """The w8a8 kernel's config by rows per touched expert, as measured on the H200 (2026-12-03,
+    DeepSeek-V3.2's EP8 rank as the model runs it, gate / up / down; docs/PERFORMANCE.md, "w8a8
+    tilings"): up to 16 rows default_config's (1.29x the fp8 floor at 2 rows, 1.36x at 16);
+    up to 24 swap-AB with 32-row tiles (1.62x at 22 rows, default 1.92x); above, one 64-row
+    dot per weight tile (2.23x at 32 rows, default 2.64x; 4.49x at 64, default 5.94x). Larger
+    tiles (128 rows, 8 warps) were slower at every size."""
+    cfg = default_config(M, G, K, N, fp8=True, num_sms=num_sms).replace(fp8_conversion="w8a8")
+    mean_rows = max(1, M // max(1, min(G, M)))
+    if mean_rows <= 16:
+        return cfg
+    tile = dict(block_m=32, swap_ab=True) if mean_rows <= 24 else dict(block_m=64)
+    return cfg.replace(m_subtiles=1, num_warps=4, num_stages=4, **tile)  # default_config's block_k and split_k, as timed
 
 
 def sweep_configs(M: int, G: int, K: int, N: int, fp8: bool, conversion: str = "native") -> list[TritonConfig]:
@@ -318,22 +331,25 @@ def _kernel(
                         mask=jnp.broadcast_to(ok[:, None], (bm, bk)),
                         other=jnp.zeros((), x_ref.dtype),
                     ).astype(dot_dtype)  # bf16[bm, bk] (f16 with the "f16" conversion, f8 with "w8a8")
+                    if w8a8:  # the rows' scales of this K block
+                        row_scale = plgpu.load(
+                            xs_ref.at[_row_block((), rows, k0 // bk_s, 1, interpret)], mask=ok[:, None], other=0.0
+                        )  # f32[bm, 1]
                     if cfg.swap_ab:
                         part = jax.lax.dot_general(
                             w, x, (((w_contract,), (1,)), ((), ())), preferred_element_type=jnp.float32
                         )  # f32[bn, bm]
                         if fp8:
                             part = part * (scale if scale.ndim == 0 else scale[:, None])
+                        if w8a8:
+                            part = part * row_scale.reshape(1, bm)
                     else:
                         part = jax.lax.dot_general(
                             x, w, (((1,), (w_contract,)), ((), ())), preferred_element_type=jnp.float32
                         )  # f32[bm, bn]
                         if fp8:
                             part = part * (scale if scale.ndim == 0 else scale[None, :])
-                        if w8a8:  # the rows' scales of this K block
-                            row_scale = plgpu.load(
-                                xs_ref.at[_row_block((), rows, k0 // bk_s, 1, interpret)], mask=ok[:, None], other=0.0
-                            )  # f32[bm, 1]
+                        if w8a8:
                             part = part * row_scale
                     return acc + part
 
