@@ -58,8 +58,7 @@ PARSER.add_argument("--steps", type=int, default=10)
 PARSER.add_argument("--step_mode", default="baseline", choices=("baseline", "hisparse"),
                     help="the step sweep's KV: all on the device (the model's step alone) or HiSparse")
 PARSER.add_argument("--overlap", type=float, default=-1.0,
-                    help="SYNTHETIC selection overlap for the step sweep; negative: the model's own selection. (The engine"
-                         " waits for each step before running the SYNTHETIC selector, so its overlap schedule is off then.)")
+                    help="SYNTHETIC selection overlap for the step sweep; negative: the model's own selection.")
 PARSER.add_argument("--time_budget_s", type=float, default=480.0)
 ARGS = PARSER.parse_args()
 os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "100")

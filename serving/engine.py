@@ -51,8 +51,9 @@ once it is read, so these steps run without the overlap schedule. Admission rese
 Two labelled SYNTHETIC options serve studies and benchmarks, never real-model figures:
   synthetic_topk_overlap: decode top-k from serving.synthetic_selection in place of
     the indexers' choice (miss rate vs buffer size for a selection as stable as a trained
-    model's); the indexers still run inside the step, so it costs what a real one does, and the
-    selector's own time is kept out of the step's;
+    model's); the indexers still run inside the step, so it costs what a real one does; the
+    selector is dispatched ahead of each step (overlap schedule on) and its small device time
+    (sorts of K entries per layer and request) counts in both engines' steps;
   synthetic_context: random KV and indexer keys instead of a prefill (serving.synthetic_fill),
     to keep prefill out of decode timing; TTFT is then not reported.
 """
@@ -195,7 +196,7 @@ class _InFlight:
     result: StepResult  # on the device
     batch: list[tuple[int, Request]]  # (slot, its request) per active slot; the slot is its row of result.next_tokens
     size: int  # b: the slots the step computed (its batch bucket)
-    begin_s: float  # perf_counter when it was dispatched (after the synthetic selector, if any)
+    begin_s: float  # perf_counter when it was dispatched (after the synthetic selector's dispatch, if any)
     ready_s: float | None = None  # perf_counter when its results were ready on the host
 
 
@@ -430,9 +431,11 @@ class Engine:
         b = self._bucket(int(active.max()) + 1)  # compacted: active slots are 0 .. n - 1
         topk = None
         if self.selector is not None:
-            # The SYNTHETIC selector stands in for nothing a real deployment runs (the
-            # indexers still run inside the step): its time is kept out of the step's.
-            topk = self.selector.select(inputs.positions[:b], inputs.request_ids[:b]).block_until_ready()
+            # The SYNTHETIC selector stands in for nothing a real deployment runs (the indexers
+            # still run inside the step). It needs nothing from the step before, so it is
+            # dispatched ahead like the step (the overlap schedule stays on); its device time,
+            # O(K log K) per (layer, request), lands between steps and both engines pay it.
+            topk = self.selector.select(inputs.positions[:b], inputs.request_ids[:b])
         begin = time.perf_counter()
         # Copies: the loop changes its arrays before the step runs (the CPU may not copy them in).
         tokens, positions, src = (array[:b].copy() for array in (inputs.tokens, inputs.positions, inputs.src))
@@ -449,13 +452,6 @@ class Engine:
         self.cache, result, self._carry = self.runner.speculative_greedy_step(self.cache, self._carry, committed)
         batch = [(int(slot), self.scheduler.running_request(int(slot))) for slot in active]
         return _InFlight(result, batch, b, begin)
-
-    @staticmethod
-    def _wait(step: _InFlight) -> None:
-        """Blocks until `step`'s results are ready and notes when."""
-        if step.ready_s is None:
-            jax.block_until_ready(step.result)
-            step.ready_s = time.perf_counter()
 
     @staticmethod
     def _read(step: _InFlight) -> tuple[np.ndarray, int, int]:
@@ -670,8 +666,6 @@ class Engine:
                 elif active.size:
                     if self.residency is not None:
                         self._apply(self.residency.rebalance(), inputs.positions)
-                    if self.selector is not None and inflight is not None:
-                        self._wait(inflight)  # its time ends before the selector of the next step runs
                     step = self._dispatch(inputs, active, previous)
                     previous = step.result.next_tokens
                     advance(step)

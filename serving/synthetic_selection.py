@@ -25,6 +25,38 @@ def _uniform(keys, shape):
     return jnp.moveaxis(jax.vmap(lambda k: jax.random.uniform(k, shape))(keys), 0, 1)
 
 
+def _member(values, sorted_set):
+    """values i32[..., N], sorted_set i32[..., S] (ascending) -> bool[..., N]: each value in the set."""
+    flat_values, flat_set = values.reshape(-1, values.shape[-1]), sorted_set.reshape(-1, sorted_set.shape[-1])
+    index = jax.vmap(jnp.searchsorted)(flat_set, flat_values)  # i32[rows, N]
+    found = jnp.take_along_axis(flat_set, jnp.minimum(index, flat_set.shape[-1] - 1), axis=-1) == flat_values
+    return found.reshape(values.shape)
+
+
+def fresh_positions(key_fresh, previous_sorted, n, count: int):
+    """`count` distinct positions in [0, n) outside the previous selection, a uniform random
+    subset in random order, per (layer, request); -1 where too few were found (a context
+    barely longer than K: the caller keeps more previous entries then).
+
+    Sequential sampling with rejection: 4 x count + 64 uniform draws, each kept if it is not in
+    the previous selection and no earlier draw had its value. O(count log count) per row, where a
+    top-k over the whole context (the earlier form) cost the rank benchmark 8 ms per step.
+    key_fresh: key[R]; previous_sorted: i32[J, R, K] ascending, invalid entries as a value >= n;
+    n: i32[1, R, 1] context lengths -> i32[J, R, count]."""
+    J = previous_sorted.shape[0]
+    m = 4 * count + 64
+    draws = jnp.minimum((_uniform(key_fresh, (J, m)) * n).astype(jnp.int32), jnp.maximum(n - 1, 0))  # i32[J, R, m]
+    order = jnp.argsort(draws, axis=-1, stable=True)  # equal values: the earliest draw first
+    by_value = jnp.take_along_axis(draws, order, axis=-1)
+    first_sorted = jnp.concatenate([jnp.ones_like(by_value[..., :1], bool), by_value[..., 1:] != by_value[..., :-1]], axis=-1)
+    first = jnp.zeros_like(first_sorted).at[
+        jnp.arange(J)[:, None, None], jnp.arange(draws.shape[1])[None, :, None], order
+    ].set(first_sorted)  # bool[J, R, m]: no earlier draw had this value
+    ok = first & ~_member(draws, previous_sorted)
+    pick = jnp.argsort(jnp.where(ok, 0, 1), axis=-1, stable=True)[..., :count]  # the first `count` ok draws, in draw order
+    return jnp.where(jnp.take_along_axis(ok, pick, axis=-1), jnp.take_along_axis(draws, pick, axis=-1), -1)
+
+
 def synthetic_topk(keys, previous, lengths, *, overlap: float, max_context: int):
     """The next synthetic selection of every (layer, request).
 
@@ -34,10 +66,11 @@ def synthetic_topk(keys, previous, lengths, *, overlap: float, max_context: int)
     lengths: i32[R] context incl. this step's token (0: inactive slot).
     -> i32[J, R, K]: distinct positions in [0, length), -1 padding. A context of at most K
     positions is selected whole, as the indexer's top-k does. When fewer than K - keep fresh
-    positions exist, more previous entries are kept instead.
+    positions are found, more previous entries are kept instead. max_context: the positions'
+    bound (unused by the draws; kept for the callers' signature).
     """
+    del max_context
     J, R, K = previous.shape
-    C = max_context
     keep = round(overlap * K)
     n = lengths[None, :, None]  # i32[1, R, 1]
     k_order, k_fresh = jax.vmap(jax.random.split, out_axes=1)(keys)  # key[R] each
@@ -45,15 +78,19 @@ def synthetic_topk(keys, previous, lengths, *, overlap: float, max_context: int)
     # A random order of the previous selection, valid entries first.
     order = jnp.argsort(jnp.where(valid, _uniform(k_order, (J, K)), 2.0), axis=-1)
     shuffled = jnp.take_along_axis(jnp.where(valid, previous, -1), order, axis=-1)  # i32[J, R, K]
-    # Fresh: distinct positions in [0, n) outside the previous selection, in random order.
-    j_idx, r_idx = jnp.arange(J)[:, None, None], jnp.arange(R)[None, :, None]
-    in_previous = jnp.zeros((J, R, C + 1), bool).at[j_idx, r_idx, jnp.where(valid, previous, C)].set(True)[..., :C]
-    candidate = (jnp.arange(C) < n) & ~in_previous  # bool[J, R, C]
-    score, fresh = jax.lax.top_k(jnp.where(candidate, _uniform(k_fresh, (J, C)), -1.0), K)
-    fresh = jnp.where(score >= 0, fresh, -1).astype(jnp.int32)  # i32[J, R, K]
+    previous_sorted = jnp.sort(jnp.where(valid, previous, jnp.iinfo(jnp.int32).max), axis=-1)  # i32[J, R, K]
+    # K - keep fresh positions once every running request has a whole previous selection (the
+    # steady state: cheap); K while some request starts (its first selection is all fresh).
+    steady = jnp.all(jnp.sum(valid, axis=-1) >= jnp.minimum(K, n[..., 0]))
+    few = max(K - keep, 1)
+    fresh = jax.lax.cond(
+        steady,
+        lambda: jnp.pad(fresh_positions(k_fresh, previous_sorted, n, few), ((0, 0), (0, 0), (0, K - few)), constant_values=-1),
+        lambda: fresh_positions(k_fresh, previous_sorted, n, K),
+    )  # i32[J, R, K]
     # Priority: `keep` previous entries, then fresh ones, then the other previous ones; first K valid win.
     pool = jnp.concatenate([shuffled[..., :keep], fresh, shuffled[..., keep:]], axis=-1)  # i32[J, R, 2K]
-    rank = jnp.where(pool >= 0, jnp.arange(2 * K), 2 * K)
+    rank = jnp.where(pool >= 0, jnp.arange(pool.shape[-1]), pool.shape[-1])
     picked = jnp.take_along_axis(pool, jnp.argsort(rank, axis=-1)[..., :K], axis=-1)  # i32[J, R, K]
     whole = jnp.where(jnp.arange(K) < n, jnp.arange(K), -1)  # i32[1, R, K]: short contexts
     return jnp.where(n <= K, whole, picked).astype(jnp.int32)
@@ -64,12 +101,10 @@ def overlap_counts(previous, current, max_context: int):
 
     previous, current: i32[J, R, K], -1 padding. The measured overlap is their ratio.
     """
-    J, R, K = previous.shape
-    C = max_context
-    j_idx, r_idx = jnp.arange(J)[:, None, None], jnp.arange(R)[None, :, None]
-    member = jnp.zeros((J, R, C + 1), bool).at[j_idx, r_idx, jnp.where(previous >= 0, previous, C)].set(True)
+    del max_context
     valid = current >= 0
-    shared = member[j_idx, r_idx, jnp.where(valid, current, C)] & valid
+    previous_sorted = jnp.sort(jnp.where(previous >= 0, previous, jnp.iinfo(jnp.int32).max), axis=-1)
+    shared = _member(current, previous_sorted) & valid
     return jnp.sum(shared, axis=-1, dtype=jnp.int32), jnp.sum(valid, axis=-1, dtype=jnp.int32)
 
 
@@ -86,6 +121,16 @@ def _step(key, previous, positions, request_ids, *, overlap: float, max_context:
     return current, jnp.sum(jnp.where(full, shared, 0)), jnp.sum(jnp.where(full, valid, 0))
 
 
+def _select(key, previous, counts, positions, request_ids, *, overlap: float, max_context: int):
+    """One jitted call per step: the selection of slots 0 .. b - 1 (b = positions' length), written
+    back into `previous` (donated), and the running overlap counts -> (previous i32[J, R, K],
+    counts i32[2], current i32[J, b, K])."""
+    b = positions.shape[0]
+    current, shared, compared = _step(key, previous[:, :b], positions, request_ids, overlap=overlap, max_context=max_context)
+    previous = jax.lax.dynamic_update_slice(previous, current, (0, 0, 0))
+    return previous, counts + jnp.stack([shared, compared]), current
+
+
 class SyntheticSelector:
     """Per-slot synthetic selection state, stepped once per decode step (all slots at once)."""
 
@@ -95,27 +140,25 @@ class SyntheticSelector:
         self.overlap = overlap
         self.previous = jnp.full((num_index_layers, num_requests, top_k), -1, jnp.int32)  # i32[J, R, K]
         self._key = jax.random.key(seed)
-        self._step = jax.jit(functools.partial(_step, overlap=overlap, max_context=max_context))
+        self._select = jax.jit(functools.partial(_select, overlap=overlap, max_context=max_context), donate_argnums=(1, 2))
         self._reset = jax.jit(lambda previous, slot: previous.at[:, slot].set(-1), donate_argnums=0)
         self._move = jax.jit(lambda previous, source, target: previous.at[:, target].set(previous[:, source]), donate_argnums=0)
-        # previous i32[J, R, K] <- current i32[J, b, K] in slots 0 .. b - 1
-        self._put = jax.jit(lambda previous, current: jax.lax.dynamic_update_slice(previous, current, (0, 0, 0)), donate_argnums=0)
         self.reset_counts()
 
     def reset_counts(self) -> None:
         """Starts the measured overlap afresh (the engine does at each run)."""
-        # i32[] device counters: summed on the device so a step never waits for the host.
-        self._shared, self._compared = jnp.int32(0), jnp.int32(0)
+        # i32[2] device counters (shared, compared): summed on the device so a step never waits for the host.
+        self._counts = jnp.zeros((2,), jnp.int32)
 
     @property
     def shared_entries(self) -> int:
         """Sum over steps of |S_t & S_t-1| (full sets only)."""
-        return int(self._shared)
+        return int(self._counts[0])
 
     @property
     def compared_entries(self) -> int:
         """Sum over the same pairs of K."""
-        return int(self._compared)
+        return int(self._counts[1])
 
     def reset(self, slot: int) -> None:
         """A new request starts in `slot`: no previous selection."""
@@ -135,10 +178,7 @@ class SyntheticSelector:
         baseline stay token-identical."""
         positions = jnp.asarray(positions, jnp.int32)
         request_ids = jnp.asarray(request_ids, jnp.int32)
-        b = positions.shape[0]
-        current, shared, compared = self._step(self._key, self.previous[:, :b], positions, request_ids)
-        self.previous = self._put(self.previous, current)
-        self._shared, self._compared = self._shared + shared, self._compared + compared
+        self.previous, self._counts, current = self._select(self._key, self.previous, self._counts, positions, request_ids)
         return current
 
     @property

@@ -727,6 +727,8 @@ def test_split_k_attention_equals_the_reference(layout_kind, num_splits):
 
 def test_small_grids_split_the_keys():
     assert default_num_splits(256, 32) == 1  # batch 128 x 2 head blocks: the grid fills the GPU
+    assert default_num_splits(100, 32) == 1  # the rank's 50 x 128 heads: unsplit measured faster
+    assert default_num_splits(50, 32) == 6  # 50 x 64 heads: splitting measured faster
     assert default_num_splits(2, 32) == 16  # one request, 2 head blocks: 16 splits of 2 key blocks
     assert default_num_splits(32, 16) == 8  # batch 16 x 2 head blocks
     assert default_num_splits(4, 3) == 1  # too few key blocks to share
