@@ -537,8 +537,11 @@ def merge_from(path: str) -> None:
     after checking that both runs measured the same setup."""
     with open(path) as f:
         other = json.load(f)
+    other_setup = dict(other.get("setup", {}))
+    if "model" in other_setup:  # runs before --fp8_activations existed ran without it
+        other_setup["model"] = {"fp8_activations": False, **other_setup["model"]}
     for key in ("model", "capacity", "hisparse_config"):
-        if other.get("setup", {}).get(key) != RESULTS["setup"].get(key):
+        if other_setup.get(key) != RESULTS["setup"].get(key):
             raise app.UsageError(f"--merge_from={path}: its setup's {key} differs from this run's")
     if other.get("setup", {}).get("contexts") != RESULTS["setup"].get("contexts"):
         raise app.UsageError(f"--merge_from={path}: its contexts differ from this run's")

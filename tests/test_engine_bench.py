@@ -40,3 +40,28 @@ def test_bench_serving_smoke_runs_every_phase(tmp_path):
     assert all(a["itl_ms"]["p99"] > 0 for a in results["arrivals"])
     for name in ("throughput_model_selection", "misses_model_selection", "throughput_synthetic_selection"):
         assert (tmp_path / f"{name}.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_bench_serving_merges_a_run_of_the_other_engine(tmp_path):
+    """A rank's two engines run in two device calls (--modes, --merge_from): the second run
+    takes the first's points when both measured the same setup, including a first run written
+    before --fp8_activations existed (no such key: it ran without)."""
+
+    def run(mode, out, *extra):
+        done = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "benchmarks", "bench_serving.py"), "--smoke", f"--output_dir={out}", "--steps=2",
+             "--warm_steps=1", "--concurrency=1", "--phases=synthetic", "--profile_steps=0", f"--modes={mode}", *extra],
+            capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=900,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        with open(out / "bench_serving.json") as f:
+            return json.load(f)
+
+    first = run("baseline", tmp_path / "a")
+    del first["setup"]["model"]["fp8_activations"]
+    with open(tmp_path / "old.json", "w") as f:
+        json.dump(first, f)
+    merged = run("hisparse", tmp_path / "b", f"--merge_from={tmp_path / 'old.json'}")
+    assert {p["mode"] for p in merged["points"]} == {"hisparse", "baseline"}
+    assert merged["merged_from"]["modes"] == ["baseline"]
