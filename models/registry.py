@@ -143,6 +143,7 @@ def decode_checkpoint(
     implementation: str | None = None,
     speculative=None,
     weights_dtype: str = "auto",
+    fp8_activations: bool = False,
 ) -> DecodeOutput:
     """Loads a Hugging Face checkpoint, greedy-decodes the prompts of an .npz (`input_ids`
     int32 [B, T]) and writes `tokens` int32 [B, N] and `logits` float32 [B, N, V] to output_path
@@ -183,6 +184,10 @@ def decode_checkpoint(
         options = dict(options, speculative=speculative)
     if weights_dtype != "auto" and family.name == "dsa":  # block FP8 or dequantised (models.dsa.loading); others load in dtype
         options = dict(options, weights_dtype=weights_dtype)
+    if fp8_activations:  # w8a8 over block-FP8 weights (DSA: DSAModelConfig.fp8_activations)
+        if family.name != "dsa":
+            raise InputError(f"fp8_activations: {config.model_type} checkpoints load in dtype (no block-FP8 weights)")
+        options = dict(options, fp8_activations=True)
     out = family.decode(checkpoint, prompts, max_new_tokens, dtype=dtype, hisparse=hisparse, kv_cache_dtype=kv_cache_dtype, **options)
     logging.info("decoded %s: %s (%s family), params %s", checkpoint, config.model_type, family.name, np.dtype(dtype).name)
     partial = f"{output_path}.partial-{os.getpid()}"

@@ -573,7 +573,7 @@ def run_checkpoint_decode(job: CheckpointDecode):
         return decode_checkpoint(
             job.checkpoint, job.prompts, job.output, max_new_tokens=job.max_new_tokens, dtype=DTYPES[job.dtype],
             hisparse=job.hisparse, kv_cache_dtype=job.kv_cache_dtype, parallel=parallel, implementation=job.implementation,
-            speculative=job.speculative, weights_dtype=job.weights_dtype,
+            speculative=job.speculative, weights_dtype=job.weights_dtype, fp8_activations=job.fp8_activations,
         )  # fmt: skip
     except (CheckpointError, UnsupportedModelError) as error:
         raise UsageError(f"--checkpoint: {error}") from None

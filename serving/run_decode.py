@@ -61,6 +61,12 @@ _WEIGHTS_DTYPE = flags.DEFINE_string(
     "Checkpoint decoding (DSA models): auto keeps an FP8 checkpoint's linear layers and experts block-FP8 on the device,"
     " fp8_e4m3 makes them so whatever the checkpoint holds (128 x 128 blocks), --dtype's name dequantises at load.",
 )  # fmt: skip
+_FP8_ACTIVATIONS = flags.DEFINE_bool(
+    "fp8_activations", False,
+    "Checkpoint decoding with block-FP8 weights: quantise the activations to e4m3 per 128-block before each fp8 matmul"
+    " (w8a8: the checkpoints' activation_scheme 'dynamic', as DeepSeek's inference code and SGLang run them). Default:"
+    " the numbers of the weights dequantised at load, the reference implementation's.",
+)  # fmt: skip
 _KV_CACHE_DTYPE = flags.DEFINE_string(
     "kv_cache_dtype", "auto",
     "As SGLang's --kv-cache-dtype: auto (= --dtype), bfloat16, or fp8_e4m3 (fp8 KV rows and fp8 indexer keys with a"
@@ -176,7 +182,7 @@ def main(argv):
                 dtype=_DTYPE.value, enable_hisparse=_ENABLE_HISPARSE.value, hisparse_config=_HISPARSE_CONFIG.value,
                 kv_cache_dtype=_KV_CACHE_DTYPE.value, tp_size=_TP_SIZE.value, dp_size=_DP_SIZE.value,
                 enable_dp_attention=_ENABLE_DP_ATTENTION.value, implementation=_IMPLEMENTATION.value,
-                speculative=speculative, weights_dtype=_WEIGHTS_DTYPE.value,
+                speculative=speculative, weights_dtype=_WEIGHTS_DTYPE.value, fp8_activations=_FP8_ACTIVATIONS.value,
             )  # fmt: skip
             _use_host_devices(job.num_devices)
         else:

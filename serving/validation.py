@@ -25,6 +25,7 @@ from typing import Any, Collection, Mapping
 import numpy as np
 
 from configs.deepseek_v4 import DeepseekV4Config
+from configs.hf_json import read_config_json
 from configs.minimax_m3 import MiniMaxM3Config
 from configs.model import DSAModelConfig
 from hisparse_jax import config as hisparse_config
@@ -72,9 +73,9 @@ SERVING = "serving (no --prompts/--output)"
 CHECKPOINT_DECODING = "checkpoint decoding (--prompts/--output)"
 CHECKPOINT_DECODING_FLAGS = frozenset(
     {"checkpoint", "prompts", "output", "max_new_tokens", "dtype", "kv_cache_dtype", "enable_hisparse", "hisparse_config",
-     "tp_size", "dp_size", "enable_dp_attention", "implementation", "weights_dtype"}
+     "tp_size", "dp_size", "enable_dp_attention", "implementation", "weights_dtype", "fp8_activations"}
 ) | frozenset(speculation.FLAGS)  # fmt: skip
-CHECKPOINT_DECODING_ONLY = frozenset({"prompts", "output", "max_new_tokens", "weights_dtype"})
+CHECKPOINT_DECODING_ONLY = frozenset({"prompts", "output", "max_new_tokens", "weights_dtype", "fp8_activations"})
 WEIGHTS_DTYPE_NAMES = ("auto", "bfloat16", "float32", "fp8_e4m3")  # --weights_dtype: auto = the checkpoint's own
 
 
@@ -327,6 +328,12 @@ def checkpoint_config(checkpoint: str, *, decoding: bool = False):
 # ---- checkpoint decoding --------------------------------------------------------------------------
 
 
+def checkpoint_is_fp8(checkpoint: str) -> bool:
+    """Whether --checkpoint's config.json declares block-FP8 weights (a quantization_config)."""
+    with flag_errors("--checkpoint"):
+        return bool(read_config_json(checkpoint).get("quantization_config"))
+
+
 def parallel_split(tp_size: int, dp_size: int, enable_dp_attention: bool) -> types.SimpleNamespace:
     """hisparse_jax.sharding.ParallelConfig's arithmetic without importing JAX (what
     inputs.check_parallel reads); an inconsistent combination is a UsageError."""
@@ -358,6 +365,7 @@ class CheckpointDecode:
     implementation: str | None = None  # the kernels (None: the backend's default); DSA checkpoints only
     speculative: Any = None  # a configs.speculative.SpeculativeConfig (serving.speculation), None: plain greedy
     weights_dtype: str = "auto"  # DSA: models.dsa.loading.load_hf_checkpoint's (block FP8 or dequantised)
+    fp8_activations: bool = False  # DSA with block-FP8 weights: w8a8 (DSAModelConfig.fp8_activations)
 
     @property
     def num_devices(self) -> int:
@@ -380,6 +388,7 @@ def check_checkpoint_decode(
     implementation: str | None = None,
     speculative=None,
     weights_dtype: str = "auto",
+    fp8_activations: bool = False,
 ) -> CheckpointDecode:
     """Everything checkpoint decoding reads, checked against the checkpoint's config.json before
     any weight is loaded (or JAX started). A mesh (tp_size, dp_size, enable_dp_attention, as
@@ -404,6 +413,13 @@ def check_checkpoint_decode(
             f"--weights_dtype={weights_dtype}: DSA checkpoints take auto, fp8_e4m3 or --dtype's name ({dtype});"
             " DeepSeek-V4 and MiniMax-M3 checkpoints load in --dtype (auto)"
         )
+    if fp8_activations:
+        fp8_weights = weights_dtype == "fp8_e4m3" or (weights_dtype == "auto" and checkpoint_is_fp8(checkpoint))
+        if registry.family_of_config(config).name != "dsa" or not fp8_weights:
+            raise UsageError(
+                "--fp8_activations needs a DSA checkpoint with block-FP8 weights: an FP8 checkpoint with --weights_dtype=auto,"
+                " or --weights_dtype=fp8_e4m3"
+            )
     with flag_errors("--prompts"):
         ids = inputs.check_prompts(inputs.read_prompts(prompts), config, name=f"{prompts} input_ids")
     with flag_errors("--max_new_tokens"):
@@ -423,5 +439,5 @@ def check_checkpoint_decode(
         raise UsageError("--speculative_algorithm: speculative decoding runs on one device yet; drop --tp_size/--dp_size/--enable_dp_attention")
     return CheckpointDecode(
         checkpoint, prompts, output, max_new_tokens, dtype, hisparse, config, ids.shape, kv_cache_dtype, tp_size, dp_size,
-        enable_dp_attention, implementation, speculative, weights_dtype,
+        enable_dp_attention, implementation, speculative, weights_dtype, fp8_activations,
     )  # fmt: skip

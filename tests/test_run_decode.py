@@ -167,6 +167,9 @@ BAD_INPUT = {
     "weights_dtype_mismatch": (checkpoint_decoding("ok.npz", "--weights_dtype=float32"),
                                "--weights_dtype=float32: DSA checkpoints take auto, fp8_e4m3 or --dtype's name (bfloat16)"),
     "weights_dtype_serving": (serving("--weights_dtype=fp8_e4m3"), "--weights_dtype is not used by serving"),
+    "fp8_activations_bf16_checkpoint": (checkpoint_decoding("ok.npz", "--fp8_activations"),
+                                        "--fp8_activations needs a DSA checkpoint with block-FP8 weights"),
+    "fp8_activations_serving": (serving("--fp8_activations"), "--fp8_activations is not used by serving"),
     # speculative decoding (SGLang's flags; serving.speculation)
     "speculative_topk": (checkpoint_decoding("ok.npz", "--speculative_algorithm=EAGLE", "--speculative_eagle_topk=2"),
                          "--speculative_eagle_topk=2 is not supported: only 1 (chain drafting, no tree)"),
@@ -222,6 +225,28 @@ def decode_fixture(tmp_path, *flags, steps=None):
         error = np.abs(data["logits"] - golden["greedy_logits"][:, :steps]).max() / np.abs(golden["greedy_logits"]).max()
         assert error < RTOL, f"max error {error:.2e} of the largest |logit|"
     return done.stderr
+
+
+def test_checkpoint_decoding_with_fp8_activations_runs_w8a8(tmp_path):
+    """The FP8 fixture with --fp8_activations: every matmul over its block-FP8 weights quantises
+    its activations (w8a8), so the logits move off the golden (w8a16) ones: by more than float32
+    round-off. Not by a bound: the fixture's router margins are ~10x float32 round-off, so e4m3's
+    ~2% per matmul flips experts (one projection's rounding alone moves some positions' logits by
+    25-40% of the largest); tests/test_grouped_matmul.py checks w8a8's numbers against its
+    reference."""
+    fp8 = os.path.join(ROOT, "tests", "fixtures", "deepseek_v32_tiny_fp8")
+    golden_path, output = os.path.join(fp8, "golden.npz"), tmp_path / "out.npz"
+    with np.load(golden_path) as data:
+        golden = dict(data)
+    steps = 4
+    done = run_decode(f"--checkpoint={fp8}", f"--prompts={golden_path}", f"--output={output}", f"--max_new_tokens={steps}",
+                      "--dtype=float32", "--fp8_activations")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    with np.load(output) as data:
+        first = data["logits"][:, 0]  # the first step's logits: the same prompt, whatever tokens followed
+        assert data["tokens"].shape == (golden["greedy_tokens"].shape[0], steps) and np.all(np.isfinite(data["logits"]))
+    error = np.abs(first - golden["greedy_logits"][:, 0]).max() / np.abs(golden["greedy_logits"]).max()
+    assert error > 10 * RTOL, error
 
 
 def misses_logged(stderr: str) -> int:

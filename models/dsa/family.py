@@ -14,14 +14,16 @@ from models.dsa.checks import check_hisparse
 
 
 def _decode(checkpoint, prompts, max_new_tokens, *, dtype, hisparse, kv_cache_dtype, parallel=None, implementation=None,
-            speculative=None, weights_dtype="auto") -> DecodeOutput:
+            speculative=None, weights_dtype="auto", fp8_activations=False) -> DecodeOutput:
     from models.common.progress import load_logged
     from models.dsa import loading  # its load_hf_checkpoint, looked up when called (tests patch it)
     from models.dsa.generate import generate
     from models.dsa.runner import ModelRunner
 
     # The MTP layer is loaded only to speculate with it (configs.speculative.SpeculativeConfig).
-    model = load_logged(checkpoint, lambda: loading.load_hf_checkpoint(checkpoint, dtype=dtype, load_mtp=speculative is not None, weights_dtype=weights_dtype))
+    model = load_logged(checkpoint, lambda: loading.load_hf_checkpoint(
+        checkpoint, dtype=dtype, load_mtp=speculative is not None, weights_dtype=weights_dtype, fp8_activations=fp8_activations
+    ))  # fmt: skip
     # parallel: a mesh (DP attention x TP, or TP replicas), the weights sharded over it as served
     prefetch = None if hisparse is None else hisparse.shared_prefetch  # --hisparse_config's key, else the default
     runner = ModelRunner(

@@ -135,6 +135,7 @@ def load_hf_checkpoint(
     device: jax.Device | None = None,
     weights_dtype: str = "auto",
     load_mtp: bool = True,
+    fp8_activations: bool = False,
 ) -> DSAForCausalLM:
     """A Hugging Face checkpoint directory -> DSAForCausalLM with params in `dtype`.
 
@@ -147,6 +148,9 @@ def load_hf_checkpoint(
     load_mtp: the checkpoint's MTP layers (num_nextn_predict_layers, decoder layers num_layers +
     i) become model.mtp (models.dsa.mtp), in the same formats as the other layers; False (or a
     checkpoint without them) skips them and the model's config says 0.
+
+    fp8_activations: with block-FP8 weights, w8a8 (DSAModelConfig.fp8_activations); a ValueError
+    when the weights load dequantised.
     """
     weight_block(weights_dtype, None, dtype)  # a ValueError for an unknown name, before any file is read
     in_checkpoint = {}  # the config.json's MTP layer count, for _check (the model may hold fewer)
@@ -155,7 +159,8 @@ def load_hf_checkpoint(
         in_checkpoint["mtp"] = config.num_nextn_predict_layers
         mtp, own_head = _mtp_layers(directory, config, load_mtp)
         return config.replace(
-            weight_block_size=weight_block(weights_dtype, block, dtype), num_nextn_predict_layers=mtp, mtp_own_head=own_head
+            weight_block_size=weight_block(weights_dtype, block, dtype), num_nextn_predict_layers=mtp, mtp_own_head=own_head,
+            fp8_activations=fp8_activations,
         )
 
     def check(checkpoint, sources, config, block):
