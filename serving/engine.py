@@ -435,7 +435,8 @@ class Engine:
             # still run inside the step). It needs nothing from the step before, so it is
             # dispatched ahead like the step (the overlap schedule stays on); its device time,
             # O(K log K) per (layer, request), lands between steps and both engines pay it.
-            topk = self.selector.select(inputs.positions[:b], inputs.request_ids[:b])
+            # Copies, as below: the call returns before it reads them, and the loop moves on.
+            topk = self.selector.select(inputs.positions[:b].copy(), inputs.request_ids[:b].copy())
         begin = time.perf_counter()
         # Copies: the loop changes its arrays before the step runs (the CPU may not copy them in).
         tokens, positions, src = (array[:b].copy() for array in (inputs.tokens, inputs.positions, inputs.src))
