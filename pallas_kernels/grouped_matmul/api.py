@@ -71,7 +71,7 @@ def _check_fp8_activations(fp8_activations: bool, fp8: bool) -> None:
 
 def _quantized_activations(lhs, block_k: int):
     """lhs [M, K] -> lhs rounded as the w8a8 kernel rounds it (e4m3 per row and block_k-wide K
-    block, pallas_triton.quantize_rows), back in lhs's dtype's f32 values: what "reference"
+    block, pallas_triton.quantize_rows) as f32 [M, K]: what "reference"
     multiplies for fp8_activations."""
     M, K = lhs.shape
     values, scale = pallas_triton.quantize_rows(lhs, block_k)  # f8[M, K], f32[M, K / block_k]
