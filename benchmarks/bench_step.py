@@ -127,7 +127,8 @@ def moe_case(model_name: str, weights_dtype: str, tokens: list[int]):
     experts = Experts(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(experts)
     # "fp8_activations": the model's own w8a8 switch (DSAModelConfig.fp8_activations), default routing
-    w8a8_graphdef = nnx.split(Experts(config.replace(fp8_activations=True), dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))[0] if fp8 else None
+    # (its structure only: the same params, no second set of random weights)
+    w8a8_graphdef = nnx.split(nnx.eval_shape(lambda: Experts(config.replace(fp8_activations=True), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))))[0] if fp8 else None
     E, X = config.n_routed_experts, config.num_experts_per_tok
     tunings = {f"w8a8:{t['name']}": {k: v for k, v in t.items() if k != "name"} for t in json.loads(ARGS.w8a8_tunings or "[]")} if fp8 else {}
     pallas_variants = ["pallas_f16", "pallas_w8a8", *tunings] if fp8 else []

@@ -28,6 +28,21 @@ class UnsupportedModelError(ValueError):
     """A config.json describes a model or a feature this package does not implement."""
 
 
+def fp8_weight_block(raw_config: Mapping[str, Any]) -> tuple[int, int] | None:
+    """A config.json's block-FP8 weights: (b0, b1) from its quantization_config (128 x 128 when
+    it names none), None without one; an UnsupportedModelError for another quant_method."""
+    quant = raw_config.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method != "fp8":
+        raise UnsupportedModelError(
+            f"quantization_config.quant_method {method!r} is not supported; only block FP8 ('fp8') checkpoints load"
+        )
+    block = quant.get("weight_block_size") or [128, 128]
+    return int(block[0]), int(block[1])
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     """RoPE frequencies (transformers `rope_parameters`); only theta matters for "default"."""

@@ -52,8 +52,8 @@ Two labelled SYNTHETIC options serve studies and benchmarks, never real-model fi
   synthetic_topk_overlap: decode top-k from serving.synthetic_selection in place of
     the indexers' choice (miss rate vs buffer size for a selection as stable as a trained
     model's); the indexers still run inside the step, so it costs what a real one does; the
-    selector is dispatched ahead of each step (overlap schedule on) and its small device time
-    (sorts of K entries per layer and request) counts in both engines' steps;
+    selector is dispatched ahead of each step (overlap schedule on) and its device time (sorts of
+    K-sized rows per layer and request) counts in both engines' steps;
   synthetic_context: random KV and indexer keys instead of a prefill (serving.synthetic_fill),
     to keep prefill out of decode timing; TTFT is then not reported.
 """
@@ -320,7 +320,7 @@ class Engine:
             model, R = self.runner.config, self.config.max_running_requests
             self.selector = SyntheticSelector(
                 num_index_layers=len(model.full_indexer_layers), num_requests=R, top_k=model.index_topk,
-                max_context=self.config.context_length, overlap=synthetic_topk_overlap, seed=self.config.seed,
+                overlap=synthetic_topk_overlap, seed=self.config.seed,
             )  # fmt: skip
 
     # ---- sizes ------------------------------------------------------------------------------------
@@ -433,8 +433,9 @@ class Engine:
         if self.selector is not None:
             # The SYNTHETIC selector stands in for nothing a real deployment runs (the indexers
             # still run inside the step). It needs nothing from the step before, so it is
-            # dispatched ahead like the step (the overlap schedule stays on); its device time,
-            # O(K log K) per (layer, request), lands between steps and both engines pay it.
+            # dispatched ahead like the step (the overlap schedule stays on); its device time
+            # (sorts of K-sized rows per layer and request; not timed on its own) lands between
+            # steps, and both engines pay it.
             # Copies, as below: the call returns before it reads them, and the loop moves on.
             topk = self.selector.select(inputs.positions[:b].copy(), inputs.request_ids[:b].copy())
         begin = time.perf_counter()

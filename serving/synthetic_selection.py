@@ -7,7 +7,7 @@ each step keeps `round(overlap * K)` entries of the previous set (a random subse
 rest uniformly from the context positions outside it. Everything measured with it is labelled
 synthetic and kept apart from real-model figures (engine, run_decode, plots).
 
-Letters: J full-indexer layers, R request slots, K top-k entries, C max context.
+Letters: J full-indexer layers, R request slots, K top-k entries.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def fresh_positions(key_fresh, previous_sorted, n, count: int):
     return jnp.where(jnp.take_along_axis(ok, pick, axis=-1), jnp.take_along_axis(draws, pick, axis=-1), -1)
 
 
-def synthetic_topk(keys, previous, lengths, *, overlap: float, max_context: int):
+def synthetic_topk(keys, previous, lengths, *, overlap: float):
     """The next synthetic selection of every (layer, request).
 
     keys: key[R], one per slot (the engine derives it from the request and position, so a
@@ -66,10 +66,8 @@ def synthetic_topk(keys, previous, lengths, *, overlap: float, max_context: int)
     lengths: i32[R] context incl. this step's token (0: inactive slot).
     -> i32[J, R, K]: distinct positions in [0, length), -1 padding. A context of at most K
     positions is selected whole, as the indexer's top-k does. When fewer than K - keep fresh
-    positions are found, more previous entries are kept instead. max_context: the positions'
-    bound (unused by the draws; kept for the callers' signature).
+    positions are found, more previous entries are kept instead.
     """
-    del max_context
     J, R, K = previous.shape
     keep = round(overlap * K)
     n = lengths[None, :, None]  # i32[1, R, 1]
@@ -96,37 +94,36 @@ def synthetic_topk(keys, previous, lengths, *, overlap: float, max_context: int)
     return jnp.where(n <= K, whole, picked).astype(jnp.int32)
 
 
-def overlap_counts(previous, current, max_context: int):
+def overlap_counts(previous, current):
     """(entries of `current` also in `previous`, valid entries of `current`), each i32[J, R].
 
     previous, current: i32[J, R, K], -1 padding. The measured overlap is their ratio.
     """
-    del max_context
     valid = current >= 0
     previous_sorted = jnp.sort(jnp.where(previous >= 0, previous, jnp.iinfo(jnp.int32).max), axis=-1)
     shared = _member(current, previous_sorted) & valid
     return jnp.sum(shared, axis=-1, dtype=jnp.int32), jnp.sum(valid, axis=-1, dtype=jnp.int32)
 
 
-def _step(key, previous, positions, request_ids, *, overlap: float, max_context: int):
+def _step(key, previous, positions, request_ids, *, overlap: float):
     """positions, request_ids i32[R] (position -1: inactive) -> synthetic_topk plus its measured
     overlap against `previous`, over (layer, request) pairs whose previous and current sets are
     both full -> (i32[J, R, K], shared i32[], compared i32[])."""
     K = previous.shape[-1]
     lengths = jnp.where(positions >= 0, positions + 1, 0)  # i32[R]
     keys = jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(key, r), p))(request_ids, positions)
-    current = synthetic_topk(keys, previous, lengths, overlap=overlap, max_context=max_context)
-    shared, valid = overlap_counts(previous, current, max_context)
+    current = synthetic_topk(keys, previous, lengths, overlap=overlap)
+    shared, valid = overlap_counts(previous, current)
     full = (valid == K) & (jnp.sum(previous >= 0, axis=-1) == K)  # bool[J, R]
     return current, jnp.sum(jnp.where(full, shared, 0)), jnp.sum(jnp.where(full, valid, 0))
 
 
-def _select(key, previous, counts, positions, request_ids, *, overlap: float, max_context: int):
+def _select(key, previous, counts, positions, request_ids, *, overlap: float):
     """One jitted call per step: the selection of slots 0 .. b - 1 (b = positions' length), written
     back into `previous` (donated), and the running overlap counts -> (previous i32[J, R, K],
     counts i32[2], current i32[J, b, K])."""
     b = positions.shape[0]
-    current, shared, compared = _step(key, previous[:, :b], positions, request_ids, overlap=overlap, max_context=max_context)
+    current, shared, compared = _step(key, previous[:, :b], positions, request_ids, overlap=overlap)
     previous = jax.lax.dynamic_update_slice(previous, current, (0, 0, 0))
     return previous, counts + jnp.stack([shared, compared]), current
 
@@ -134,13 +131,13 @@ def _select(key, previous, counts, positions, request_ids, *, overlap: float, ma
 class SyntheticSelector:
     """Per-slot synthetic selection state, stepped once per decode step (all slots at once)."""
 
-    def __init__(self, *, num_index_layers: int, num_requests: int, top_k: int, max_context: int, overlap: float, seed: int = 0):
+    def __init__(self, *, num_index_layers: int, num_requests: int, top_k: int, overlap: float, seed: int = 0):
         if not 0.0 <= overlap <= 1.0:
             raise UsageError(f"synthetic_topk_overlap must be in [0, 1], got {overlap}")
         self.overlap = overlap
         self.previous = jnp.full((num_index_layers, num_requests, top_k), -1, jnp.int32)  # i32[J, R, K]
         self._key = jax.random.key(seed)
-        self._select = jax.jit(functools.partial(_select, overlap=overlap, max_context=max_context), donate_argnums=(1, 2))
+        self._select = jax.jit(functools.partial(_select, overlap=overlap), donate_argnums=(1, 2))
         self._reset = jax.jit(lambda previous, slot: previous.at[:, slot].set(-1), donate_argnums=0)
         self._move = jax.jit(lambda previous, source, target: previous.at[:, target].set(previous[:, source]), donate_argnums=0)
         self.reset_counts()

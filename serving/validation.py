@@ -27,7 +27,7 @@ import numpy as np
 from configs.deepseek_v4 import DeepseekV4Config
 from configs.hf_json import read_config_json
 from configs.minimax_m3 import MiniMaxM3Config
-from configs.model import DSAModelConfig
+from configs.model import DSAModelConfig, fp8_weight_block
 from hisparse_jax import config as hisparse_config
 from hisparse_jax.config import HiSparseConfig, HiSparseConfigError
 from models import registry
@@ -329,9 +329,11 @@ def checkpoint_config(checkpoint: str, *, decoding: bool = False):
 
 
 def checkpoint_is_fp8(checkpoint: str) -> bool:
-    """Whether --checkpoint's config.json declares block-FP8 weights (a quantization_config)."""
-    with flag_errors("--checkpoint"):
-        return bool(read_config_json(checkpoint).get("quantization_config"))
+    """Whether --checkpoint's config.json declares block-FP8 weights (configs.model.fp8_weight_block)."""
+    try:
+        return fp8_weight_block(read_config_json(checkpoint)) is not None
+    except (OSError, ValueError) as error:  # checkpoint_config read it already: a file changed since
+        raise UsageError(f"--checkpoint: {error}") from None
 
 
 def parallel_split(tp_size: int, dp_size: int, enable_dp_attention: bool) -> types.SimpleNamespace:

@@ -319,10 +319,10 @@ def test_warmup_fits_every_request_that_fits(runner, compile_counter):
 
 @pytest.mark.parametrize("overlap", [0.0, 0.25, 0.9, 1.0])
 def test_synthetic_selection_overlap_is_its_parameter(overlap):
-    K, C = 64, 600
-    selector = SyntheticSelector(num_index_layers=2, num_requests=3, top_k=K, max_context=C, overlap=overlap, seed=1)
+    K = 64
+    selector = SyntheticSelector(num_index_layers=2, num_requests=3, top_k=K, overlap=overlap, seed=1)
     positions = np.array([200, 400, -1])
-    previous, shared = None, 0  # shared: entries kept from the step before, counted here
+    previous, shared, fresh = None, 0, []  # shared: entries kept from the step before, counted here
     for _ in range(20):
         topk = np.asarray(selector.select(positions, [11, 12, 0]))
         for j in range(2):
@@ -331,16 +331,19 @@ def test_synthetic_selection_overlap_is_its_parameter(overlap):
                 assert len(set(chosen)) == K and chosen.min() >= 0 and chosen.max() <= positions[r]
                 if previous is not None:
                     shared += len(set(chosen) & set(previous[j, r]))
+                    fresh += [p / positions[r] for p in set(chosen) - set(previous[j, r])]
         assert (topk[:, 2] == -1).all()  # inactive slot
         positions = np.where(positions >= 0, positions + 1, -1)
         previous = topk
     assert shared == 19 * 2 * 2 * round(overlap * K)  # every step after the first, both layers and requests
     assert selector.measured_overlap == round(overlap * K) / K
     assert selector.compared_entries == 19 * 2 * 2 * K  # every step after the first, both layers and requests
+    if fresh:  # fresh positions spread uniformly over their contexts (not, e.g., the lowest ones first)
+        assert abs(np.mean(fresh) - 0.5) < 0.05 and np.quantile(fresh, 0.1) < 0.2 and np.quantile(fresh, 0.9) > 0.8, np.mean(fresh)
 
 
 def test_synthetic_selection_depends_on_the_request_not_its_slot():
-    make = lambda: SyntheticSelector(num_index_layers=1, num_requests=2, top_k=16, max_context=300, overlap=0.5, seed=4)  # noqa: E731
+    make = lambda: SyntheticSelector(num_index_layers=1, num_requests=2, top_k=16, overlap=0.5, seed=4)  # noqa: E731
     a, b = make(), make()
     for step in range(5):
         in_a = np.asarray(a.select([100 + step, -1], [7, 0]))

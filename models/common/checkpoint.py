@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from configs.model import UnsupportedModelError
+from configs.model import fp8_weight_block
 from models.common import fp8
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -197,19 +197,6 @@ def derived_scale_names(sources: list[_ParamSource]) -> set[str]:
     return {n for s in sources if s.kind == "scale" for n in s.hf_names}
 
 
-def _block_size(raw_config: dict) -> tuple[int, int] | None:
-    quant = raw_config.get("quantization_config")
-    if not quant:
-        return None
-    method = quant.get("quant_method")
-    if method != "fp8":
-        raise UnsupportedModelError(
-            f"quantization_config.quant_method {method!r} is not supported; only block FP8 ('fp8') checkpoints load"
-        )
-    block = quant.get("weight_block_size") or [128, 128]
-    return int(block[0]), int(block[1])
-
-
 @functools.partial(jax.jit, static_argnums=2)
 def _dequantize(weight: jax.Array, scale_inv: jax.Array, block: tuple[int, int] | None) -> jax.Array:
     """weight fp8[O, I], scale_inv f32[ceil(O/b0), ceil(I/b1)] -> f32[O, I]: each block times its
@@ -272,7 +259,7 @@ def load_model_from_checkpoint(directory, *, config_class, abstract_model, sourc
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
     raw = _read_raw_config(directory)
     config = config_class.from_hf_config(raw)
-    block = _block_size(raw)
+    block = fp8_weight_block(raw)
     if configure is not None:
         config = configure(config, block)
     checkpoint = Checkpoint(directory)

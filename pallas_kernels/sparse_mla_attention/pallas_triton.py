@@ -353,10 +353,10 @@ def default_launch_shape(num_requests: int, num_heads: int, quantized: bool = Fa
 FP8_LAUNCH = dict(block_h=64, block_k=64, num_warps=8, num_stages=1)
 # How fp8 rows are read (FP8_FORMS). "dequantize_first" measured fastest at the DeepSeek-V3.2
 # rank's 50 x 128 (H200, 2026-12-03: 282 us with 64-head blocks and 3 stages, planes 288-303,
-# interleave 353) and compiles the plain-rows kernel (3 dots, where planes have 10): the rank's
-# HiSparse engine with the planes default took 292.7 s to be ready against 176.5 s before
-# (every batch bucket compiles its own kernel; the share of the kernel's compile in that was not
-# timed).
+# interleave 353; with unsplit keys 253) and compiles the plain-rows kernel (3 dots, where
+# planes have 10). Compile + first run measured 1.3-1.5 s for either form (bench_kernels'
+# first_call_s), so the planes kernel did not cause the rank engine's slower start that
+# session (292.7 s vs 176.5 s; its cause was not found).
 DEFAULT_FP8_FORM = "dequantize_first"
 
 
