@@ -31,12 +31,11 @@ import numpy as np
 from flax import nnx
 
 from configs.minimax_m3 import MiniMaxM3Config
-from configs.model import UnsupportedModelError
+from configs.model import UnsupportedModelError, fp8_weight_block
 from models.common.checkpoint import (
     _SCALE_SUFFIX,
     Checkpoint,
     CheckpointError,
-    _block_size,
     _names,
     _read_raw_config,
     _set_expert,
@@ -174,7 +173,7 @@ def load_hf_checkpoint(directory: str | os.PathLike, *, dtype=jnp.bfloat16, devi
     except (ValueError, TypeError, KeyError) as error:
         raise CheckpointError(f"{directory}/config.json: invalid MiniMax-M3 config ({error})") from None
     quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
-    block = _block_size({"quantization_config": quant}) if quant else None
+    block = fp8_weight_block({"quantization_config": quant}) if quant else None
     checkpoint = Checkpoint(directory)
     graphdef, abstract_state = nnx.split(abstract_model(config, dtype))
     pure = nnx.to_pure_dict(abstract_state)
