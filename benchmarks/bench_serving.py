@@ -126,6 +126,11 @@ flags.DEFINE_integer(
     " their own) under jax.profiler into OUTPUT_DIR/trace_<mode>, split per category (benchmarks/step_split.py); 0: off.",
 )
 flags.DEFINE_list(
+    "profile_running", [],
+    "With --profile_steps: also split the step at these running counts (e.g. 1), not only at capacity; the"
+    " ratios' per-token split keeps using the capacity ones.",
+)
+flags.DEFINE_list(
     "modes", ["hisparse", "baseline"],
     "Engines to run. A preset whose two engines do not fit one device call runs one mode per call, the"
     " second with --merge_from pointing at the first's bench_serving.json.",
@@ -379,12 +384,14 @@ def run_segment(engines: Engines, name: str, mode: str, slots: int, overlap: flo
             f" ITL {metrics['itl_ms']['mean']:.2f} ms (p99 {metrics['itl_ms']['p99']:.2f}),"
             f" miss rate {metrics['miss_rate']:.3f}, {metrics['h2d_gb_per_s']:.1f} GB/s host->device")  # fmt: skip
         save()
-    if FLAGS.profile_steps > 0 and name == "synthetic" and slots in run_s:  # after every measured point
-        profile_point(engines, mode, slots, overlap, run_s[slots])
+    if FLAGS.profile_steps > 0 and name == "synthetic":  # after every measured point
+        for running in sorted(run_s):
+            if running == slots or running in {int(r) for r in FLAGS.profile_running}:
+                profile_point(engines, mode, slots, running, overlap, run_s[running])
 
 
-def profile_point(engines: Engines, mode: str, running: int, overlap: float | None, point_s: float) -> None:
-    """The step split at capacity: a run of its own, --warm_steps untimed steps then
+def profile_point(engines: Engines, mode: str, slots: int, running: int, overlap: float | None, point_s: float) -> None:
+    """The step split at `running` requests (capacity, or --profile_running): a run of its own, --warm_steps untimed steps then
     --profile_steps under the profiler, summarised by benchmarks/step_split.py into
     RESULTS["step_split"]. Skipped when it would end past --time_budget_s (its cost: 1.5 x the
     measured point's run, whose synthetic fill of every context it repeats, + the trace's parse)."""
@@ -394,9 +401,9 @@ def profile_point(engines: Engines, mode: str, running: int, overlap: float | No
         log(f"  skip step split of {mode}: ~{estimate:.0f}s would pass --time_budget_s")
         RESULTS["step_split"].append(dict(mode=mode, running=running, skipped=True))
         return
-    trace_dir = os.path.join(FLAGS.output_dir, f"trace_{mode}")
+    trace_dir = os.path.join(FLAGS.output_dir, f"trace_{mode}" + ("" if running == slots else f"_running{running}"))
     shutil.rmtree(trace_dir, ignore_errors=True)  # this run's trace only
-    engine = engines.get(mode, running, overlap)  # warm already: no compile
+    engine = engines.get(mode, slots, overlap)  # warm already: no compile
     requests = [Request(i, engines.prompt, steps) for i in range(running)]
     t = time.perf_counter()
     try:
@@ -418,7 +425,10 @@ def profile_point(engines: Engines, mode: str, running: int, overlap: float | No
 def split_per_token() -> list[dict]:
     """Per category, ms per generated token (a step's ms / running) of each mode's split and
     hisparse - baseline: the parts that hold the throughput ratio, largest first."""
-    by_mode = {e["mode"]: e for e in RESULTS["step_split"] if e.get("categories_ms") and e.get("running")}
+    by_mode = {}  # mode -> its split at the most running requests (capacity)
+    for e in RESULTS["step_split"]:
+        if e.get("categories_ms") and e.get("running") and e["running"] >= by_mode.get(e["mode"], {}).get("running", 0):
+            by_mode[e["mode"]] = e
     if not {"hisparse", "baseline"} <= set(by_mode):
         return []
     per_token = {m: {k: v / e["running"] for k, v in e["categories_ms"].items()} for m, e in by_mode.items()}
@@ -446,14 +456,15 @@ def draw() -> None:
             continue
         label = f"{points[0]['selection']} selection, SYNTHETIC contexts, random weights"
         plots.throughput_vs_concurrency(
-            points, os.path.join(FLAGS.output_dir, f"throughput_{tag}.png"), label=label, metric="decode_throughput"
+            points, os.path.join(FLAGS.output_dir, f"throughput_{tag}.png"), label=label, metric="decode_throughput",
+            linear=True,
         )
         series = {f"{p['mode']}, running {p['running']}": p["misses_per_step_all"] for p in points if p["mode"].startswith("hisparse")}
         plots.misses_over_time(series, os.path.join(FLAGS.output_dir, f"misses_{tag}.png"), label=label, window=4)
     splits = [e for e in RESULTS.get("step_split", []) if e.get("categories_ms")]
     if splits:
         step_split.plot(splits, os.path.join(FLAGS.output_dir, "step_split.png"),
-                        label=f"{FLAGS.preset or 'bench model'}, SYNTHETIC selection at capacity, random weights")  # fmt: skip
+                        label=f"{FLAGS.preset or 'bench model'}, SYNTHETIC selection, random weights")  # fmt: skip
 
 
 def ratios() -> list[dict]:

@@ -40,19 +40,26 @@ def _save(fig, path) -> None:
     plt.close(fig)
 
 
-def throughput_vs_concurrency(points: list[dict], path, *, label: str, metric: str = "output_throughput") -> None:
+def throughput_vs_concurrency(points: list[dict], path, *, label: str, metric: str = "output_throughput", linear: bool = False) -> None:
     """points: {"mode", "max_concurrency", metric} dicts; one line per mode. metric:
-    "output_throughput" (tokens over the run's wall time) or "decode_throughput" (over decode steps)."""
+    "output_throughput" (tokens over the run's wall time) or "decode_throughput" (over decode steps).
+    linear: also each mode's linear scaling, dashed: its lowest point's throughput per running
+    request x the requests running at each point (points then need "running")."""
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode in sorted({p["mode"] for p in points}):
         mine = sorted((p for p in points if p["mode"] == mode), key=lambda p: p["max_concurrency"])
-        ax.plot([p["max_concurrency"] for p in mine], [p[metric] for p in mine], marker="o", label=mode)
+        concurrency = [p["max_concurrency"] for p in mine]  # i[points]
+        (line,) = ax.plot(concurrency, [p[metric] for p in mine], marker="o", label=mode)
+        if linear and len(mine) > 1:
+            per_request = mine[0][metric] / mine[0]["running"]  # what one request gets at the lowest point
+            ax.plot(concurrency, [per_request * p["running"] for p in mine], linestyle="--", color=line.get_color(),
+                    label=f"{mode}: linear from c={mine[0]['max_concurrency']}")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_xlabel("max concurrency (requests in flight)")
     ax.set_ylabel(f"{metric.replace('_', ' ')} (tokens/s)")
     _title(ax, f"Throughput vs concurrency [{label}]")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     _save(fig, path)
 
 

@@ -65,3 +65,26 @@ def test_bench_serving_merges_a_run_of_the_other_engine(tmp_path):
     merged = run("hisparse", tmp_path / "b", f"--merge_from={tmp_path / 'old.json'}")
     assert {p["mode"] for p in merged["points"]} == {"hisparse", "baseline"}
     assert merged["merged_from"]["modes"] == ["baseline"]
+
+
+@pytest.mark.slow
+def test_bench_serving_splits_the_step_at_c1_and_at_capacity(tmp_path):
+    """--profile_running=1 adds a step split at one request beside the one at capacity, in the
+    same engine (its slots: capacity), and the per-token comparison keeps the capacity splits."""
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_serving.py"), "--smoke", f"--output_dir={tmp_path}", "--steps=2",
+         "--warm_steps=1", "--concurrency=1,64", "--phases=synthetic", "--profile_steps=1", "--profile_running=1"],
+        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "bench_serving.json") as f:
+        results = json.load(f)
+    capacity = results["setup"]["capacity"]
+    splits = {(e["mode"], e["running"]): e for e in results["step_split"]}
+    assert set(splits) == {("hisparse", 1), ("hisparse", capacity["hisparse"]), ("baseline", 1), ("baseline", capacity["baseline"])}
+    assert all(e.get("categories_ms") and e["steps"] >= 1 for e in splits.values()), splits
+    assert splits["hisparse", 1]["trace_dir"].endswith("trace_hisparse_running1")
+    for row in results["step_split_per_token"]:
+        assert row["hisparse_ms_per_step"] == splits["hisparse", capacity["hisparse"]]["categories_ms"][row["category"]]
+        assert row["baseline_ms_per_step"] == splits["baseline", capacity["baseline"]]["categories_ms"][row["category"]]
+    assert (tmp_path / "step_split.png").stat().st_size > 0

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Is the per-step host time XLA's command-buffer (CUDA graph) update? The same bench_serving run
+# once per VARIANT, each a set of XLA flags:
+#   default        XLA's command buffers, updated whenever an allocation their commands use moved
+#                  (ALWAYS_UPDATE: a decode step's fresh inputs and outputs move every step)
+#   off            --xla_gpu_enable_command_buffer= (op by op)
+#   skip_temp      --xla_gpu_command_buffer_update_mode=SKIP_TEMP (temp buffers at fixed addresses)
+#   skip_profiled  --xla_gpu_command_buffer_update_mode=SKIP_PROFILED (parameters, outputs and temps
+#                  whose addresses held over the first executions: no update, a VA remap instead)
+# LAYERS (12) keeps two variants' engines in one call (~140 s each at 12 layers).
+#   OUT=/tmp/out VARIANTS="default skip_profiled" bash benchmarks/command_buffer_h200.sh
+set -uo pipefail
+OUT=${OUT:-outputs/command_buffer}
+mkdir -p "$OUT"
+source benchmarks/gpu_wheels/env.sh
+declare -A FLAGS_OF=(
+  [default]="" [off]="--xla_gpu_enable_command_buffer="
+  [skip_temp]="--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+  [skip_profiled]="--xla_gpu_command_buffer_update_mode=SKIP_PROFILED"
+)
+for variant in ${VARIANTS:-default skip_profiled}; do
+  XLA_FLAGS="${XLA_FLAGS:-} ${FLAGS_OF[$variant]}" timeout ${RUN_TIMEOUT:-210} python3 benchmarks/bench_serving.py \
+    --num_layers=${LAYERS:-12} --kv_cache_dtype=fp8_e4m3 --phases=synthetic --concurrency=${CONCURRENCY:-1} \
+    --warm_steps=3 --steps=12 --profile_steps=0 --time_budget_s=200 --output_dir="$OUT/$variant" "$@" 2>&1 \
+    | grep -v "^WARNING\|^I1\|^W1" | grep "ready\|c=\|step ~\|hisparse / baseline\|error\|Error" | sed "s/^/[$variant] /"
+done
