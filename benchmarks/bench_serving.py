@@ -125,6 +125,12 @@ flags.DEFINE_integer(
     "After each engine's SYNTHETIC point at capacity: this many more steps (after --warm_steps warm ones, in a run of"
     " their own) under jax.profiler into OUTPUT_DIR/trace_<mode>, split per category (benchmarks/step_split.py); 0: off.",
 )
+flags.DEFINE_bool(
+    "profile_command_buffers", True,
+    "With --profile_steps: keep XLA's command buffers (CUDA graphs) on under the profiler"
+    " (--xla_enable_command_buffers_during_profiling), so the split's host_idle is the host time of the"
+    " step as it runs unprofiled; XLA's default, off, profiles op by op, whose launches cost more host time.",
+)
 flags.DEFINE_list(
     "profile_running", [],
     "With --profile_steps: also split the step at these running counts (e.g. 1), not only at capacity; the"
@@ -576,6 +582,9 @@ def main(_):
         global HLO_DUMP_DIR
         HLO_DUMP_DIR = os.path.join(FLAGS.output_dir, "hlo_dump")
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {step_split.dump_flags(HLO_DUMP_DIR)}".strip()
+        if FLAGS.profile_command_buffers:
+            os.environ["XLA_FLAGS"] += " --xla_enable_command_buffers_during_profiling=true"
+    RESULTS["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     RESULTS["device"] = str(jax.devices()[0].device_kind)  # the backend starts here, with those flags
     RESULTS["jax"] = jax.__version__
     log(f"jax {jax.__version__} on {jax.devices()}")

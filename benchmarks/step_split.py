@@ -39,6 +39,7 @@ from benchmarks.device_timing import Event, device_events
 
 CATEGORIES = ("attention", "indexer", "moe", "dense_gemm", "swap_in", "other")
 TOP_KERNELS = 20
+TOP_HOST_EVENTS = 25
 
 # 1. Our Pallas kernels (pallas_kernels/*/pallas_triton.py `name=`) and names that say it all.
 KERNEL_RULES = [
@@ -179,6 +180,20 @@ def _cpu_thunks(data, op_names: dict[str, str]) -> list[Kernel]:
     return out
 
 
+def host_events(data) -> list[dict]:
+    """The host threads' busiest event names, ms over the whole trace (nested events each count: a parent
+    spans its children), with the threads they ran on: where a host-bound step's time goes
+    (Python, XLA's thunk launches, command-buffer updates, transfers)."""
+    per_name: dict[str, list] = {}  # name -> [ns, count, {thread}]
+    for line, event, _ in _plane_events(data, "/host:"):
+        entry = per_name.setdefault(event.name, [0.0, 0, set()])
+        entry[0] += event.duration_ns
+        entry[1] += 1
+        entry[2].add(re.sub(r"/-?\d+$", "", line.name))  # thread pools' numbered lines as one
+    top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:TOP_HOST_EVENTS]
+    return [dict(name=n[:160], ms=ns / 1e6, count=c, threads=sorted(t)[:4]) for n, (ns, c, t) in top]
+
+
 def load_kernels(trace_dir: str, op_names: dict | None = None) -> tuple[list[Kernel], dict]:
     """The device's kernels (or the CPU's thunks) of the newest .xplane.pb under trace_dir, each
     with what the trace says of its op, plus its op_name from `op_names` (hlo_op_names)."""
@@ -189,8 +204,9 @@ def load_kernels(trace_dir: str, op_names: dict | None = None) -> tuple[list[Ker
     path = max(paths, key=os.path.getmtime)
     data = jax.profiler.ProfileData.from_file(path)
     events, info = device_events(data)
+    host = host_events(data)
     info = dict(file=os.path.relpath(path, trace_dir), planes=info.get("planes", []), lines=sorted(set(info.get("lines", [])))[:40],
-                hlo_op_names=len(op_names))  # fmt: skip
+                hlo_op_names=len(op_names), host_events=host)  # fmt: skip
     if events:
         by_kernel, by_op = _kernel_scopes(data, op_names), _xla_op_scopes(data)
 
@@ -264,7 +280,9 @@ def summarize(trace_dir: str, steps: int, window_ms: float | None = None, op_nam
     with zeroed categories, so a benchmark's JSON keeps its shape."""
     try:
         kernels, info = load_kernels(trace_dir, op_names)
-        return dict(split(kernels, steps, window_ms), trace=info)
+        host = [dict(name=e["name"], ms_per_step=e["ms"] / max(steps, 1), count=e["count"], threads=e["threads"])
+                for e in info.pop("host_events")]  # fmt: skip
+        return dict(split(kernels, steps, window_ms), host_events=host, trace=info)
     except Exception as error:  # a missing or unreadable trace must not end the benchmark
         zeros = {c: 0.0 for c in (*CATEGORIES, "host_idle")}
         return dict(steps=steps, categories_ms=zeros, top_kernels=[], error=repr(error))

@@ -84,6 +84,9 @@ def test_bench_serving_splits_the_step_at_c1_and_at_capacity(tmp_path):
     assert set(splits) == {("hisparse", 1), ("hisparse", capacity["hisparse"]), ("baseline", 1), ("baseline", capacity["baseline"])}
     assert all(e.get("categories_ms") and e["steps"] >= 1 for e in splits.values()), splits
     assert splits["hisparse", 1]["trace_dir"].endswith("trace_hisparse_running1")
+    host = splits["hisparse", 1]["host_events"]  # where a host-bound step's time goes
+    assert host and all(e["ms_per_step"] > 0 and e["threads"] for e in host), host
+    assert "--xla_enable_command_buffers_during_profiling=true" in results["xla_flags"]
     for row in results["step_split_per_token"]:
         assert row["hisparse_ms_per_step"] == splits["hisparse", capacity["hisparse"]]["categories_ms"][row["category"]]
         assert row["baseline_ms_per_step"] == splits["baseline", capacity["baseline"]]["categories_ms"][row["category"]]
