@@ -25,5 +25,7 @@ for variant in ${VARIANTS:-default skip_profiled}; do
     --num_layers=${LAYERS:-12} --kv_cache_dtype=fp8_e4m3 --phases=synthetic --concurrency=${CONCURRENCY:-1} \
     --warm_steps=3 --steps=12 --profile_steps=${PROFILE_STEPS:-3} --profile_running=1 --time_budget_s=200 --output_dir="$OUT/$variant" "$@" 2>&1 \
     | grep -v "^WARNING\|^I1\|^W1" | grep "ready\|c=\|step ~\|hisparse / baseline\|error\|Error" | sed "s/^/[$variant] /"
+  # the decode programs' optimised HLO (which ops XLA put in which command buffer), compressed
+  [[ -d "$OUT/$variant/hlo_dump" ]] && tar czf "$OUT/$variant/hlo_dump.tgz" -C "$OUT/$variant" hlo_dump
   rm -rf "$OUT/$variant"/trace_* "$OUT/$variant"/hlo_dump "$OUT/$variant"/*.png  # large; the splits are in the JSON
 done

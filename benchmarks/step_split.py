@@ -136,7 +136,17 @@ def hlo_op_names(dump_dir: str) -> dict:
                     name, op_name = match.groups()
                     out[program_id, name] = op_name
                     out.setdefault(name, op_name)
+                    kernel = kernel_name(name)  # how the fusion's kernel is named in a trace
+                    out.setdefault((program_id, kernel), op_name)
+                    out.setdefault(kernel, op_name)
     return out
+
+
+def kernel_name(hlo_name: str) -> str:
+    """An HLO instruction's name as XLA names its kernel ("input_concatenate_fusion.241" ->
+    "input_concatenate_fusion_241"): a trace names kernels inside a command buffer by the
+    kernel, and their hlo_op stat by the command buffer."""
+    return re.sub(r"[.\-]", "_", hlo_name)
 
 
 def _op_name(op_names: dict, stats: dict, fallback: str = "") -> str:
@@ -158,14 +168,24 @@ def _plane_events(data, prefix: str):
                     yield line, event, _stats(event)
 
 
-def _kernel_scopes(data, op_names: dict) -> dict[tuple[float, str], tuple[str, str]]:
-    """(start_ns, name) -> (hlo_op, scope text incl. the dumped op_name), for the device planes'
-    events that carry stats."""
+def _kernel_scopes(data, op_names: dict) -> dict[tuple[float, str], tuple[str, str, object]]:
+    """(start_ns, name) -> (hlo_op, scope text incl. the dumped op_name, program_id), for the
+    device planes' events that carry stats."""
     out = {}
     for _, event, stats in _plane_events(data, "/device:"):
         if text := _scope_text(stats):
-            out[event.start_ns, event.name] = (str(stats.get("hlo_op", "")), f"{text} {_op_name(op_names, stats)}".strip())
+            out[event.start_ns, event.name] = (
+                str(stats.get("hlo_op", "")), f"{text} {_op_name(op_names, stats)}".strip(), stats.get("program_id")
+            )
     return out
+
+
+def kernel_scope(name: str, hlo_op: str, own: str, program_id, op_names: dict, by_op: dict) -> str:
+    """A device kernel's scope text: its own stats' (own), its hlo_op's "XLA Ops" event's, and
+    the dumped op_name of the kernel's own name. The last is what scopes a fusion run inside a
+    command buffer, whose hlo_op is the command buffer ("command_buffer_1"), not the fusion."""
+    dumped = _op_name(op_names, {"hlo_op": name, "program_id": program_id}) if name != hlo_op else ""
+    return " ".join(t for t in (own, by_op.get(hlo_op or name, ""), dumped) if t)
 
 
 def _cpu_thunks(data, op_names: dict[str, str]) -> list[Kernel]:
@@ -210,12 +230,8 @@ def load_kernels(trace_dir: str, op_names: dict | None = None) -> tuple[list[Ker
     if events:
         by_kernel, by_op = _kernel_scopes(data, op_names), _xla_op_scopes(data)
 
-        def scope_of(e: Event) -> str:  # its own stats, plus those of its hlo_op's "XLA Ops" event
-            hlo_op, own = by_kernel.get((e.start_ns, e.name), ("", ""))
-            dumped = "" if own else op_names.get(hlo_op or e.name, "")  # no stats at all: by the kernel's name
-            return f"{own} {by_op.get(hlo_op or e.name, '')} {dumped}".strip()
-
-        kernels = [Kernel(e, scope_of(e)) for e in events]
+        kernels = [Kernel(e, kernel_scope(e.name, *by_kernel.get((e.start_ns, e.name), ("", "", None)), op_names, by_op))
+                   for e in events]  # fmt: skip
         info["source"] = "device stream lines"
     else:
         kernels = _cpu_thunks(data, op_names)

@@ -74,3 +74,26 @@ def test_hlo_op_names_read_the_optimised_dump(tmp_path):
     assert step_split._op_name(names, {"hlo_op": "loop_fusion.3", "program_id": "12"}) == "jit(step)/attention/other_bucket"
     assert step_split.classify("loop_fusion.3", names[11, "loop_fusion.3"]) == "moe"
     assert "--xla_dump_hlo_module_re=" in step_split.dump_flags(str(tmp_path))
+
+
+def test_a_fusion_inside_a_command_buffer_is_scoped_by_its_kernel_name(tmp_path):
+    """In a command buffer the trace's hlo_op is the command buffer ("command_buffer_1"); the
+    kernel keeps the fusion's name with "_" for "." (input_concatenate_fusion_241), which the
+    dump maps to its scope, per program."""
+    (tmp_path / "module_0011.jit__greedy_decode_step.sm_9.0_gpu_after_optimizations.txt").write_text(
+        '  %input_concatenate_fusion.241 = bf16[50,2048,576]{2,1,0} fusion(%p0), kind=kInput,'
+        ' metadata={op_name="jit(step)/attention/concatenate"}\n'
+    )  # fmt: skip
+    (tmp_path / "module_0012.jit__greedy_decode_step.sm_9.0_gpu_after_optimizations.txt").write_text(
+        '  %input_concatenate_fusion.241 = bf16[8,64]{1,0} fusion(%p0), kind=kInput, metadata={op_name="jit(step)/moe/concatenate"}\n'
+    )
+    names = step_split.hlo_op_names(str(tmp_path))
+    assert step_split.kernel_name("input_concatenate_fusion.241") == "input_concatenate_fusion_241"
+    own = "command_buffer_1 XlaModule:"
+    scope = step_split.kernel_scope("input_concatenate_fusion_241", "command_buffer_1", own, "11", names, {})
+    assert scope.startswith(own) and step_split.classify("input_concatenate_fusion_241", scope) == "attention"
+    other_program = step_split.kernel_scope("input_concatenate_fusion_241", "command_buffer_1", own, 12, names, {})
+    assert step_split.classify("input_concatenate_fusion_241", other_program) == "moe"
+    # outside a command buffer the hlo_op is the fusion itself: its own stats already scope it
+    assert step_split.kernel_scope("loop_fusion_3", "loop_fusion_3", "jit(step)/moe/x", 11, names, {}) == "jit(step)/moe/x"
+    assert step_split.classify("input_concatenate_fusion_241", own) == "other"  # what the split said before
