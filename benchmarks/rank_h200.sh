@@ -3,6 +3,9 @@
 # 61 / 78-layer engine compiles for minutes, so both do not fit one call's 10 minutes.
 #   OUT=/tmp/out MODE=baseline bash benchmarks/rank_h200.sh                     # call 1
 #   OUT=/tmp/out MODE=hisparse MERGE=docs/perf/<call 1's json> bash benchmarks/rank_h200.sh   # call 2
+# Several contexts in one call, one process each (the weights are rebuilt, ~41 s each):
+#   OUT=/tmp/out MODE=baseline CONTEXTS="40960 61440" bash benchmarks/rank_h200.sh   # -> $OUT/ctx<N>/
+#   OUT=/tmp/out MODE=hisparse CONTEXTS="40960 61440" MERGE_DIR=docs/perf/<call 1's $OUT copy> bash ...
 # PRESET (deepseek-v3.2-dp8-rank), CONTEXT (40960), CONCURRENCY (1,64: c = 1 and capacity, one
 # batch bucket each), FP8_ACTIVATIONS (1: w8a8, the checkpoints' activation_scheme "dynamic" as
 # SGLang runs them; 0: the dequantised-weights numbers), PROFILE_RUNNING (1: the step split at c = 1
@@ -13,9 +16,27 @@ mkdir -p "$OUT"
 MEM_FRACTION=${MEM_FRACTION:-0.95} source benchmarks/gpu_wheels/env.sh
 export XLA_FLAGS="${XLA_FLAGS:-} ${EXTRA_XLA_FLAGS:-}"  # e.g. --xla_gpu_command_buffer_update_mode=SKIP_PROFILED
 ACT=$([[ ${FP8_ACTIVATIONS:-1} == 1 ]] && echo --fp8_activations || echo --nofp8_activations)
-MERGE_FLAG=${MERGE:+--merge_from=$MERGE}
-timeout ${RANK_TIMEOUT:-560} python3 benchmarks/bench_serving.py --preset=${PRESET:-deepseek-v3.2-dp8-rank} \
-  --kv_cache_dtype=fp8_e4m3 --context=${CONTEXT:-40960} --phases=synthetic --concurrency=${CONCURRENCY:-1,64} \
-  --profile_steps=3 --profile_running=${PROFILE_RUNNING:-1} --warm_steps=3 --steps=8 --modes=${MODE:-baseline} $ACT $MERGE_FLAG \
-  --time_budget_s=${BUDGET:-540} --output_dir="$OUT" "$@" 2>&1 | tee "$OUT/rank.log" | grep -v "^WARNING" | tail -40
-rm -rf "$OUT"/trace_* "$OUT"/hlo_dump  # large; the split is in bench_serving.json
+
+run_context() {  # $1: context, $2: output dir, $3: a bench_serving.json to merge (or ""), $4: seconds
+  local merge=${3:+--merge_from=$3}
+  mkdir -p "$2"
+  timeout "$4" python3 benchmarks/bench_serving.py --preset=${PRESET:-deepseek-v3.2-dp8-rank} \
+    --kv_cache_dtype=fp8_e4m3 --context="$1" --phases=synthetic --concurrency=${CONCURRENCY:-1,64} \
+    --profile_steps=3 --profile_running=${PROFILE_RUNNING:-1} --warm_steps=3 --steps=8 --modes=${MODE:-baseline} $ACT $merge \
+    --time_budget_s=$(($4 - 20)) --output_dir="$2" "${EXTRA_ARGS[@]}" 2>&1 | tee "$2/rank.log" | grep -v "^WARNING" | tail -40
+  rm -rf "$2"/trace_* "$2"/hlo_dump  # large; the split is in bench_serving.json
+}
+
+EXTRA_ARGS=("$@")
+if [[ -z ${CONTEXTS:-} ]]; then
+  run_context "${CONTEXT:-40960}" "$OUT" "${MERGE:-}" "${RANK_TIMEOUT:-560}"
+else
+  read -ra contexts <<< "$CONTEXTS"
+  share=$(( ${RANK_TIMEOUT:-560} / ${#contexts[@]} ))  # the call's seconds, split evenly
+  for context in "${contexts[@]}"; do
+    merge=${MERGE_DIR:+$MERGE_DIR/ctx$context/bench_serving.json}
+    [[ -n $merge && ! -f $merge ]] && merge=""  # no baseline at this context: HiSparse alone
+    run_context "$context" "$OUT/ctx$context" "$merge" "$share"
+    rm -f "$OUT/ctx$context"/*.png "$OUT/ctx$context"/hlo_memory_reports.tar.gz  # at most 8 files come back
+  done
+fi
