@@ -15,6 +15,10 @@ set -uo pipefail
 OUT=${OUT:-outputs/command_buffer}
 mkdir -p "$OUT"
 source benchmarks/gpu_wheels/env.sh
+# The plan kernel compiled on the GPU: a batch below the slot count plans on the whole tables
+# (the c = 1 points below run that path), against the reference.
+JAX_PLATFORMS=cuda timeout 120 python3 -m pytest -q -n 0 -p no:cacheprovider -W ignore --tb=short tests/test_swap_in.py \
+  -k "whole_tables or SGLang" 2>&1 | tail -5
 declare -A FLAGS_OF=(
   [default]="" [off]="--xla_gpu_enable_command_buffer="
   [skip_temp]="--xla_gpu_command_buffer_update_mode=SKIP_TEMP"

@@ -446,25 +446,21 @@ class HiSparseState:
     def swap_in(self, layer, topk, lengths, *, implementation=None) -> tuple["HiSparseState", SwapInPlan]:
         """Plans the swap-in of topk i32[b, K] (updating buffer_tokens, lru_slots) and copies the
         misses host -> device. lengths i32[b]: tokens stored including the newest, 0 inactive."""
-        b = topk.shape[0]
-        # A batch smaller than R plans on this layer's first b slots, cut out and put back (a few
-        # KB per request; the kernels take whole per-request arrays).
-        part = self if b == self.num_requests else self._layer_batch(layer, b)
+        # A batch b smaller than R plans slots 0 .. b - 1 on the whole tables (the plan kernel
+        # indexes them by request): no per-layer slices copied out and back.
         plan, buffer_tokens, lru_slots, scratch = swap_in_plan(
-            part.buffer_tokens,
-            part.lru_slots,
-            part.swap_in_scratch,
-            layer if part is self else 0,
+            self.buffer_tokens,
+            self.lru_slots,
+            self.swap_in_scratch,
+            layer,
             topk,
             self._planned_lengths(lengths),
-            part.host_page_table,
+            self.host_page_table,
             page_size=self.page_size,
             implementation=implementation,
         )
         plan = self._plan_in_device_rows(plan)
         state = self.replay_swap_in(layer, plan, implementation=implementation)
-        if part is not self:
-            return state._put_layer_batch(layer, buffer_tokens, lru_slots, scratch), plan
         return state.replace(buffer_tokens=buffer_tokens, lru_slots=lru_slots, swap_in_scratch=scratch), plan
 
     def _planned_lengths(self, lengths) -> jax.Array:

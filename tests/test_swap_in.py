@@ -315,11 +315,11 @@ def plan_inputs(R=2, B=8, K=4, C=32, L=1):
     "changes, message",
     [
         (dict(topk=jnp.zeros((2, 9), jnp.int32)), r"top_k \(9\) must be <= device_buffer_size \(8\)"),
-        (dict(topk=jnp.zeros((3, 4), jnp.int32)), r"topk batch \(3\) must equal buffer_tokens request slots \(R\) \(2\)"),
+        (dict(topk=jnp.zeros((3, 4), jnp.int32)), r"topk batch \(3\) must be <= buffer_tokens request slots \(R\) \(2\)"),
         (dict(lengths=jnp.zeros((1,), jnp.int32)), r"lengths batch \(1\) must equal topk batch \(R\) \(2\)"),
-        (dict(page_table=jnp.zeros((4, 8), jnp.int32)), r"page_table batch \(4\) must equal topk batch \(R\) \(2\)"),
+        (dict(page_table=jnp.zeros((4, 8), jnp.int32)), r"page_table batch \(4\) must equal buffer_tokens request slots \(R\) \(2\)"),
         (dict(lru_slots=jnp.zeros((1, 2, 7), jnp.int32)), r"lru_slots shape \(\(1, 2, 7\)\) must equal buffer_tokens shape"),
-        (dict(scratch=jnp.zeros((3, 32), jnp.int32)), r"scratch batch \(3\) must equal topk batch \(R\) \(2\)"),
+        (dict(scratch=jnp.zeros((3, 32), jnp.int32)), r"scratch batch \(3\) must equal buffer_tokens request slots \(R\) \(2\)"),
         (dict(layer=1), r"layer \(1\) must be in \[0, num_layers \(1\)\)"),
         (dict(topk=jnp.zeros((2,), jnp.int32)), r"topk must be \[R, K\]"),
     ],
@@ -384,3 +384,33 @@ def test_write_checks_static_shapes(implementation, rows_shape, slots_shape, lay
     pool = jnp.zeros((2, 40, 6), jnp.float32)
     with pytest.raises(ValueError, match=message):
         row_copy.write_rows_to_host(pool, layer, jnp.zeros(rows_shape), jnp.zeros(slots_shape, jnp.int32), implementation=implementation)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_batch_below_the_slot_count_plans_its_slots_on_the_whole_tables(implementation):
+    """topk of b < R rows plans request slots 0 .. b - 1 of the whole [L, R, B] tables (what a
+    batch bucket below the engine's slots runs: no slices copied out and back): the same plan and
+    rows as the reference on the sliced tables, slots b .. R - 1 and the other layer untouched."""
+    L, R, b, B, C = 2, 4, 2, 8, 64
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(1000, 2000, (L, R, B)).astype(np.int32)  # sentinels: must stay as they are
+    lru = np.stack([np.stack([rng.permutation(B) for _ in range(R)]) for _ in range(L)]).astype(np.int32)
+    tokens[1, 0] = rng.permutation(19)[:B]  # layer 1, slot 0: a long-path request (20 tokens) holding 8 positions
+    tokens[1, 1] = -1  # slot 1: a fast-path request (6 tokens)
+    topk = np.array([[3, 15, 19, 3], [5, 0, 2, -1]], np.int32)  # i32[b, K]
+    lengths = np.array([20, 6], np.int32)
+    page_table = identity_page_table(R, C)
+    scratch = jnp.full((R, C), swap_in.SCRATCH_EMPTY, jnp.int32)
+    args = lambda rows: (jnp.asarray(tokens[:, :rows]), jnp.asarray(lru[:, :rows]), scratch[:rows], 1, jnp.asarray(topk),  # noqa: E731
+                         jnp.asarray(lengths), jnp.asarray(page_table[:rows]))  # fmt: skip
+    plan, new_tokens, new_lru, new_scratch = swap_in.swap_in_plan(*args(R), page_size=PAGE_SIZE, implementation=implementation)
+    want_plan, want_tokens, want_lru, _ = swap_in.swap_in_plan(*args(b), page_size=PAGE_SIZE, implementation="reference")
+    for got, want in zip(plan, want_plan):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert int(plan.num_misses[0]) > 0  # the long path ran
+    np.testing.assert_array_equal(np.asarray(new_tokens)[:, :b], np.asarray(want_tokens))
+    np.testing.assert_array_equal(np.asarray(new_lru)[:, :b], np.asarray(want_lru))
+    np.testing.assert_array_equal(np.asarray(new_tokens)[:, b:], tokens[:, b:])
+    np.testing.assert_array_equal(np.asarray(new_lru)[:, b:], lru[:, b:])
+    np.testing.assert_array_equal(np.asarray(new_tokens)[0], tokens[0])  # the other layer
+    assert np.all(np.asarray(new_scratch) == swap_in.SCRATCH_EMPTY)

@@ -40,25 +40,30 @@ def swap_in_plan(buffer_tokens, lru_slots, scratch, layer, topk, lengths, page_t
     """Plans one layer's swap-in over the stacked state arrays; see the module docstring.
 
     buffer_tokens, lru_slots: i32[L, R, B]; scratch: i32[R, C] (SCRATCH_EMPTY everywhere);
-    layer: int or i32[]; topk: i32[R, K] with K <= B; lengths: i32[R]; page_table: i32[R, P].
-    Returns (plan, buffer_tokens, lru_slots, scratch), the last three shaped as given.
-    Raises ValueError on inconsistent static shapes.
+    layer: int or i32[]; topk: i32[b, K] with K <= B and b <= R: the plan covers request slots
+    0 .. b - 1 (a batch bucket below the slot count), the others stay as they are;
+    lengths: i32[b]; page_table: i32[R, P].
+    Returns (plan, buffer_tokens, lru_slots, scratch), the plan's arrays [b, ...], the last three
+    shaped as given. Raises ValueError on inconsistent static shapes.
     """
     check_plan_inputs(
         buffer_tokens, lru_slots, topk, lengths, page_table, stacked=True, scratch=scratch, layer=layer
     )
     implementation = common.resolve_implementation(implementation)
-    if implementation == "tpu":
-        from pallas_kernels.swap_in.pallas_tpu import swap_in_plan_tpu
-
-        return swap_in_plan_tpu(
-            buffer_tokens, lru_slots, scratch, jnp.asarray(layer, jnp.int32), topk, lengths, page_table, page_size=page_size
-        )
-    if implementation == "pallas":
+    if implementation == "pallas":  # grid over the b requests, indexing the whole tables: no slicing copies
         return swap_in_plan_pallas(
             buffer_tokens, lru_slots, scratch, jnp.asarray(layer, jnp.int32), topk, lengths, page_table, page_size=page_size
         )
+    b = topk.shape[0]
+    if implementation == "tpu":
+        from pallas_kernels.swap_in.pallas_tpu import swap_in_plan_tpu
+
+        plan, tokens, lru, _ = swap_in_plan_tpu(
+            buffer_tokens[:, :b], lru_slots[:, :b], scratch[:b], jnp.asarray(layer, jnp.int32), topk, lengths, page_table[:b],
+            page_size=page_size,
+        )  # fmt: skip
+        return plan, buffer_tokens.at[:, :b].set(tokens), lru_slots.at[:, :b].set(lru), scratch
     plan, tokens, lru = swap_in_plan_reference(
-        buffer_tokens[layer], lru_slots[layer], topk, lengths, page_table, page_size=page_size
+        buffer_tokens[layer, :b], lru_slots[layer, :b], topk, lengths, page_table[:b], page_size=page_size
     )
-    return plan, buffer_tokens.at[layer].set(tokens), lru_slots.at[layer].set(lru), scratch
+    return plan, buffer_tokens.at[layer, :b].set(tokens), lru_slots.at[layer, :b].set(lru), scratch

@@ -181,8 +181,8 @@ def swap_in_plan_pallas(
     lru_slots,  # i32[L, R, B]
     scratch,  # i32[R, C]
     layer,  # i32[]
-    topk,  # i32[R, K]
-    lengths,  # i32[R]
+    topk,  # i32[b, K], b <= R: request slots 0 .. b - 1 (one program each)
+    lengths,  # i32[b]
     page_table,  # i32[R, P]
     *,
     page_size: int,
@@ -190,14 +190,16 @@ def swap_in_plan_pallas(
 ):
     """The Pallas plan kernel for `layer`; updates buffer_tokens/lru_slots/scratch in place.
 
-    Shapes as swap_in_plan (K <= B). Returns (plan, buffer_tokens, lru_slots, scratch).
+    Shapes as swap_in_plan (K <= B). Returns (plan, buffer_tokens, lru_slots, scratch). The
+    kernel indexes the tables by its program id, so a batch below the slot count runs on the
+    whole tables: no slice of them is copied out and back per layer.
     num_warps 16: 85.9 us at batch 256 with no misses against 91.1 (8 warps) and 92.1 (4);
     28.5 / 31.9 us at batch 1 / 64, as with 8 warps (bench_kernels.py --tune, H200, 2026-12-01).
     """
     check_plan_inputs(
         buffer_tokens, lru_slots, topk, lengths, page_table, stacked=True, scratch=scratch, layer=layer
     )
-    R, K = topk.shape
+    R, K = topk.shape  # R here: the batch b
     B = buffer_tokens.shape[2]
     kernel = functools.partial(
         _plan_kernel,
