@@ -397,10 +397,11 @@ def run_segment(engines: Engines, name: str, mode: str, slots: int, overlap: flo
 
 
 def profile_point(engines: Engines, mode: str, slots: int, running: int, overlap: float | None, point_s: float) -> None:
-    """The step split at `running` requests (capacity, or --profile_running): a run of its own, --warm_steps untimed steps then
-    --profile_steps under the profiler, summarised by benchmarks/step_split.py into
-    RESULTS["step_split"]. Skipped when it would end past --time_budget_s (its cost: 1.5 x the
-    measured point's run, whose synthetic fill of every context it repeats, + the trace's parse)."""
+    """The step split at `running` requests (capacity, or --profile_running) of the `slots`
+    engine: a run of its own, --warm_steps untimed steps then --profile_steps under the profiler,
+    summarised by benchmarks/step_split.py into RESULTS["step_split"]. Skipped when it would end
+    past --time_budget_s (its cost: 1.5 x the measured point's run, whose synthetic fill of every
+    context it repeats, + the trace's parse)."""
     steps = FLAGS.warm_steps + FLAGS.profile_steps + 1  # + 1: the trace stops inside the run, not at its end
     estimate = 1.5 * point_s
     if time.perf_counter() - T0 + estimate > FLAGS.time_budget_s:
