@@ -15,10 +15,12 @@ set -uo pipefail
 OUT=${OUT:-outputs/command_buffer}
 mkdir -p "$OUT"
 source benchmarks/gpu_wheels/env.sh
-# The plan kernel compiled on the GPU: a batch below the slot count plans on the whole tables
-# (the c = 1 points below run that path), against the reference.
-JAX_PLATFORMS=cuda timeout 120 python3 -m pytest -q -n 0 -p no:cacheprovider -W ignore --tb=short tests/test_swap_in.py \
-  -k "whole_tables or SGLang" 2>&1 | tail -5
+# The kernels this session changed, compiled on the GPU against their references: the plan of a
+# batch below the slot count on the whole tables (the c = 1 points below run it) and the backup
+# of every layer's newest rows in one launch.
+JAX_PLATFORMS=cuda timeout 150 python3 -m pytest -q -n 0 -p no:cacheprovider -W ignore --tb=short tests/test_swap_in.py \
+  "tests/test_attention_layer.py::test_prefetched_shared_layer_and_deferred_backup_equal_no_offload" \
+  -k "whole_tables or SGLang or one_call or deferred_backup" 2>&1 | tail -5
 declare -A FLAGS_OF=(
   [default]="" [off]="--xla_gpu_enable_command_buffer="
   [skip_temp]="--xla_gpu_command_buffer_update_mode=SKIP_TEMP"

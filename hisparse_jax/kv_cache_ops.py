@@ -58,15 +58,15 @@ def backup_newest_rows(state: KVState, rows, positions, *, implementation=None) 
     (or a shared layer's prefetch) would wait for it. Here one barrier over the whole state orders
     all of this step's copies and prefetches first, and nothing of this step waits for the
     backups. The contract holds: the newest row stays in its device slot (the reserved slot B
-    once n > B) until the next step's write_newest, which comes after these writes.
+    once n > B) until the next step's write_newest, which comes after these writes. All L
+    layers' rows go in one launch (state.backup_all_newest), not one kernel per layer.
     """
     check_rank("positions", positions, 1, "[b]")
     if len(rows) != state.num_layers:
         raise ValueError(f"rows holds {len(rows)} layers, expected the state's L = {state.num_layers}")
     state = jax.lax.optimization_barrier(state)
-    for layer in range(state.num_layers):
-        state = state.backup_newest(layer, rows[layer], positions, implementation=implementation)
-    return state
+    rows = rows if isinstance(rows, jax.Array) else jnp.stack(list(rows))  # row[L, b, W]
+    return state.backup_all_newest(rows, positions, implementation=implementation)  # one launch, not L
 
 
 def advance(state: KVState, active) -> KVState:

@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 from hisparse_jax import memory
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.row_layout import KVRowLayout
-from pallas_kernels.row_copy import copy_host_rows_to_buffer, gather_host_rows, write_rows_to_host
+from pallas_kernels.row_copy import copy_host_rows_to_buffer, gather_host_rows, write_all_layer_rows_to_host, write_rows_to_host
 from pallas_kernels.side_stream_gather import PendingGather
 from pallas_kernels.swap_in import SCRATCH_EMPTY  # the swap-in kernel owns its scratch's sentinel
 from pallas_kernels.swap_in import SwapInPlan, host_slots_of, swap_in_plan
@@ -180,6 +180,10 @@ class KVState(Protocol):
 
     def backup_newest(self, layer, new_row, positions, *, implementation=None) -> "KVState":
         """Makes new_row row[R, W] durable wherever the mode keeps every row (positions i32[R])."""
+        ...
+
+    def backup_all_newest(self, rows, positions, *, implementation=None) -> "KVState":
+        """backup_newest of every layer at once: rows row[L, R, W] (layer l's at rows[l])."""
         ...
 
     def prefetch_misses(self, layer, plan: SwapInPlan, *, implementation=None, launch=None) -> jax.Array | None:
@@ -515,12 +519,25 @@ class HiSparseState:
 
     def backup_newest(self, layer, new_row, positions, *, implementation=None) -> "HiSparseState":
         """Writes new_row row[b, W] to its host slot (eager backup); positions i32[b], -1 skipped."""
+        pool = write_rows_to_host(
+            self.host_pool, layer, self.layout.to_stored(new_row), self._newest_host_slots(positions), implementation=implementation
+        )
+        return self.replace(host_pool=pool)
+
+    def backup_all_newest(self, rows, positions, *, implementation=None) -> "HiSparseState":
+        """backup_newest of every layer in one launch: rows row[L, b, W]; a request's newest row
+        has the same host slot in every layer."""
+        pool = write_all_layer_rows_to_host(
+            self.host_pool, self.layout.to_stored(rows), self._newest_host_slots(positions), implementation=implementation
+        )
+        return self.replace(host_pool=pool)
+
+    def _newest_host_slots(self, positions) -> jax.Array:
+        """i32[b]: the host slot of each request's newest row at positions i32[b]; -1 where inactive."""
         host_slot = jax.vmap(host_slots_of, in_axes=(0, 0, None))(
             self.host_page_table[: positions.shape[0]], jnp.maximum(positions, 0), self.page_size
         )  # i32[b]
-        host_slot = jnp.where(positions >= 0, host_slot, -1)
-        pool = write_rows_to_host(self.host_pool, layer, self.layout.to_stored(new_row), host_slot, implementation=implementation)
-        return self.replace(host_pool=pool)
+        return jnp.where(positions >= 0, host_slot, -1)
 
     def prefetch_misses(self, layer, plan: SwapInPlan, *, implementation=None, launch=None) -> jax.Array:
         """row[b, K, W]: the plan's missed rows of `layer` read from the pool now (the i-th miss
@@ -711,6 +728,10 @@ class FullKVState:
 
     def backup_newest(self, layer, new_row, positions, *, implementation=None) -> "FullKVState":
         """Nothing to back up: write_newest stored the row where it stays."""
+        return self
+
+    def backup_all_newest(self, rows, positions, *, implementation=None) -> "FullKVState":
+        """Nothing to back up."""
         return self
 
     def prefetch_misses(self, layer, plan: SwapInPlan, *, implementation=None, launch=None) -> None:

@@ -295,6 +295,30 @@ def test_fp8_rows_copy_bit_exact(implementation):
     np.testing.assert_array_equal(written, expected)
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_every_layers_rows_written_to_host_in_one_call(implementation):
+    """write_all_layer_rows_to_host (a decode step's backup after its last layer, one launch):
+    rows[l, i] lands bit for bit at pool[l, host_slots[i]] in every layer, -1 skipped, every
+    other row untouched; more rows than one program's block."""
+    layout = KVRowLayout(512, 64, "fp8_e4m3")
+    rng = np.random.default_rng(9)
+    L, S, N = 3, 64, 21
+    values = rng.standard_normal((L, S, 576)).astype(np.float32)
+    pool = layout.pack(jnp.asarray(values[..., :512]), jnp.asarray(values[..., 512:]))  # u32[L, S, 164]
+    rows = layout.pack(*(jnp.asarray(x) for x in np.split(rng.standard_normal((L, N, 576)).astype(np.float32), [512], -1)))
+    slots = rng.permutation(S)[:N].astype(np.int32)
+    slots[[2, 17]] = -1  # inactive requests
+    written = np.asarray(jax.jit(functools.partial(row_copy.write_all_layer_rows_to_host, implementation=implementation))(
+        pool, rows, jnp.asarray(slots)))  # fmt: skip
+    expected = np.asarray(pool).copy()
+    keep = slots >= 0
+    for layer in range(L):
+        expected[layer, slots[keep]] = np.asarray(rows)[layer, keep]
+    np.testing.assert_array_equal(written, expected)
+    with pytest.raises(ValueError, match=r"rows layers \(2\) must equal pool layers \(L\) \(3\)"):
+        row_copy.write_all_layer_rows_to_host(pool, rows[:2], jnp.asarray(slots), implementation=implementation)
+
+
 # ---- static shape checks ----------------------------------------------------------------------
 
 

@@ -6,6 +6,8 @@
     shared-index layers' prefetch, which may run on a second stream (it aliases nothing).
   write_rows_to_host: device rows -> host pool slots, in place. Used by the eager backup of the
     newest token and by prefill's direct-to-host writes.
+  write_all_layer_rows_to_host: every layer's rows -> the same host slots of each layer, in
+    place, one launch. Used by the backup of a decode step's newest rows after its last layer.
 
 On GPU both kernels address the pinned host pool directly (UVA over PCIe): no staging copy of
 the pool exists; benchmarks/bench_kernels.py asserts the compiled HLO holds none. Rows move as
@@ -30,15 +32,17 @@ import jax.numpy as jnp
 
 from pallas_kernels import common
 from pallas_kernels.common import check_gather_inputs
-from pallas_kernels.row_copy.base import DEFAULT_ROWS_PER_PROGRAM, check_copy_inputs, check_write_inputs
+from pallas_kernels.row_copy.base import DEFAULT_ROWS_PER_PROGRAM, check_copy_inputs, check_write_all_layers_inputs, check_write_inputs
 from pallas_kernels.row_copy.pallas_triton import (
     copy_host_rows_to_buffer_pallas,
     gather_host_rows_pallas,
+    write_all_layer_rows_to_host_pallas,
     write_rows_to_host_pallas,
 )
 from pallas_kernels.row_copy.reference import (
     copy_host_rows_to_buffer_reference,
     gather_host_rows_reference,
+    write_all_layer_rows_to_host_reference,
     write_rows_to_host_reference,
 )
 
@@ -104,3 +108,22 @@ def write_rows_to_host(pool, layer, rows, host_slots, *, implementation=None):
     if implementation == "pallas":
         return write_rows_to_host_pallas(pool, jnp.asarray(layer, jnp.int32), rows, host_slots)
     return write_rows_to_host_reference(pool, layer, rows, host_slots)
+
+
+def write_all_layer_rows_to_host(pool, rows, host_slots, *, implementation=None):
+    """pool[l, host_slots[i]] = rows[l, i] for every layer l where host_slots[i] >= 0, in place
+    (pool is donated): write_rows_to_host of all layers in one launch (one kernel, not L).
+
+    pool: row[L, S, W] (pinned host); rows: row[L, N, W]; host_slots: i32[N] (the same slots in
+    every layer: a request's position is at the same host slot in each). Returns the updated
+    pool. Raises ValueError on inconsistent static shapes.
+    """
+    check_write_all_layers_inputs(pool, rows, host_slots)
+    implementation = common.resolve_implementation(implementation)
+    if implementation == "pallas":
+        return write_all_layer_rows_to_host_pallas(pool, rows, host_slots)
+    if implementation == "tpu":  # one DMA kernel per layer
+        for layer in range(pool.shape[0]):
+            pool = write_rows_to_host(pool, layer, rows[layer], host_slots, implementation=implementation)
+        return pool
+    return write_all_layer_rows_to_host_reference(pool, rows, host_slots)

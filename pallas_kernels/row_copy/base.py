@@ -26,6 +26,16 @@ def check_copy_inputs(pool, device_buffer, layer, miss_host, miss_device, num_mi
     check_layer_index(layer, pool.shape[0])
 
 
+def check_write_all_layers_inputs(pool, rows, host_slots) -> None:
+    """Static shape checks of the device -> host write of every layer's rows."""
+    check_rank("pool", pool, 3, "[L, S, W]")
+    check_rank("rows", rows, 3, "[L, N, W]")
+    check_equal("rows layers", rows.shape[0], "pool layers (L)", pool.shape[0])
+    check_equal("rows width", rows.shape[2], "pool row width (W)", pool.shape[2])
+    check_rank("host_slots", host_slots, 1, "[N]")
+    check_equal("host_slots length", host_slots.shape[0], "rows per layer (N)", rows.shape[1])
+
+
 def check_write_inputs(pool, layer, rows, host_slots) -> None:
     """Static shape checks of the device -> host write."""
     check_rank("pool", pool, 3, "[L, S, W]")

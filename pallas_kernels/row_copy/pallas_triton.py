@@ -12,7 +12,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.common import check_gather_inputs
-from pallas_kernels.row_copy.base import DEFAULT_ROWS_PER_PROGRAM, check_copy_inputs, check_write_inputs
+from pallas_kernels.row_copy.base import DEFAULT_ROWS_PER_PROGRAM, check_copy_inputs, check_write_all_layers_inputs, check_write_inputs
 
 # Copy programs per SM. Measured on the H200 (bench_kernels.py --tune, 2026-12-01): 16 rows x
 # 4 warps x 4 per SM copies 256 x 2048 rows from a 9.66 GB pool in 12.03 ms (50 GB/s, the
@@ -176,13 +176,14 @@ def gather_host_rows_pallas(pool, layer, host_slots, counts, *, rows=DEFAULT_ROW
 
 
 def _write_rows_to_host_kernel(
-    layer_ref,  # i32[1]
+    layer_ref,  # i32[1] (unused with all_layers)
     host_slots_ref,  # i32[N]
-    rows_ref,  # row[N, W]
+    rows_ref,  # row[N, W], or row[L, N, W] with all_layers
     _pool_in,  # aliased to pool_ref
     pool_ref,  # row[L, S, W] pinned host, in/out
     *,
     rows: int,
+    all_layers: bool,
     interpret: bool,
 ):
     N, S = host_slots_ref.shape[0], pool_ref.shape[1]
@@ -192,21 +193,33 @@ def _write_rows_to_host_kernel(
     slot = common.gather(host_slots_ref, (safe_i,), in_range, -1)
     write = in_range & (slot >= 0)
     slot = common.safe_index(slot, write, S)
-    layer = layer_ref[0]
+    layer = pl.program_id(1) if all_layers else layer_ref[0]
+    source = (layer,) if all_layers else ()  # the rows' leading index
     for offset, size in common.power_of_2_pieces(pool_ref.shape[2]):
         mask = jnp.broadcast_to(write[:, None], (rows, size))
-        values = common.gather(rows_ref, common.row_block((), safe_i, offset, size, interpret), mask, 0)
+        values = common.gather(rows_ref, common.row_block(source, safe_i, offset, size, interpret), mask, 0)
         common.scatter(pool_ref, common.row_block((layer,), slot, offset, size, interpret), values, mask)
 
 
 def write_rows_to_host_pallas(pool, layer, rows, host_slots, *, rows_per_program=DEFAULT_ROWS_PER_PROGRAM):
     """The Pallas write into the pinned pool in place; shapes as write_rows_to_host."""
     check_write_inputs(pool, layer, rows, host_slots)
-    N = rows.shape[0]
+    return _write_pallas(pool, jnp.reshape(layer, (1,)).astype(jnp.int32), rows, host_slots, rows_per_program, all_layers=False)
+
+
+def write_all_layer_rows_to_host_pallas(pool, rows, host_slots, *, rows_per_program=DEFAULT_ROWS_PER_PROGRAM):
+    """The Pallas write of every layer's rows (row[L, N, W]) in one launch: grid (N blocks, L),
+    each program one layer's block of rows; shapes as write_all_layer_rows_to_host."""
+    check_write_all_layers_inputs(pool, rows, host_slots)
+    return _write_pallas(pool, jnp.zeros((1,), jnp.int32), rows, host_slots, rows_per_program, all_layers=True)
+
+
+def _write_pallas(pool, layer, rows, host_slots, rows_per_program, *, all_layers):
+    N = host_slots.shape[0]
     return pl.pallas_call(
-        functools.partial(_write_rows_to_host_kernel, rows=rows_per_program, interpret=common.interpret_mode()),
+        functools.partial(_write_rows_to_host_kernel, rows=rows_per_program, all_layers=all_layers, interpret=common.interpret_mode()),
         out_shape=jax.ShapeDtypeStruct(pool.shape, pool.dtype),
-        grid=(pl.cdiv(N, rows_per_program),),
+        grid=(pl.cdiv(N, rows_per_program), rows.shape[0]) if all_layers else (pl.cdiv(N, rows_per_program),),
         in_specs=[common.any_spec()] * 4,
         out_specs=common.any_spec(),
         input_output_aliases={3: 0},

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import common
 from pallas_kernels.common import check_gather_inputs
-from pallas_kernels.row_copy.base import check_copy_inputs, check_write_inputs
+from pallas_kernels.row_copy.base import check_copy_inputs, check_write_all_layers_inputs, check_write_inputs
 
 
 def _stage_on_device(x: jax.Array) -> jax.Array:
@@ -42,4 +42,15 @@ def write_rows_to_host_reference(pool, layer, rows, host_slots):
     target = jnp.where(host_slots >= 0, host_slots, pool.shape[1])
     rows = _stage_on_device(rows)  # rows may come from host memory too (a PD transfer)
     updated = _stage_on_device(pool).at[layer, target].set(rows.astype(pool.dtype), mode="drop")
+    return jax.device_put(updated, jax.memory.Space.Host)
+
+
+def write_all_layer_rows_to_host_reference(pool, rows, host_slots):
+    """Every layer's write in jnp: pool[l, host_slots[i]] = rows[l, i] (-1 skipped); shapes as
+    write_all_layer_rows_to_host."""
+    check_write_all_layers_inputs(pool, rows, host_slots)
+    target = jnp.where(host_slots >= 0, host_slots, pool.shape[1])  # i32[N]: past the end = dropped
+    rows = _stage_on_device(rows)
+    layers = jnp.arange(pool.shape[0])[:, None]  # i32[L, 1]
+    updated = _stage_on_device(pool).at[layers, target[None, :]].set(rows.astype(pool.dtype), mode="drop")
     return jax.device_put(updated, jax.memory.Space.Host)
