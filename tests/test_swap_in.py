@@ -295,7 +295,7 @@ def test_fp8_rows_copy_bit_exact(implementation):
     np.testing.assert_array_equal(written, expected)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", [*IMPLEMENTATIONS, "tpu"])
 def test_every_layers_rows_written_to_host_in_one_call(implementation):
     """write_all_layer_rows_to_host (a decode step's backup after its last layer, one launch):
     rows[l, i] lands bit for bit at pool[l, host_slots[i]] in every layer, -1 skipped, every
@@ -410,7 +410,7 @@ def test_write_checks_static_shapes(implementation, rows_shape, slots_shape, lay
         row_copy.write_rows_to_host(pool, layer, jnp.zeros(rows_shape), jnp.zeros(slots_shape, jnp.int32), implementation=implementation)
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("implementation", [*IMPLEMENTATIONS, "tpu"])  # tpu: interpret mode on the CPU
 def test_a_batch_below_the_slot_count_plans_its_slots_on_the_whole_tables(implementation):
     """topk of b < R rows plans request slots 0 .. b - 1 of the whole [L, R, B] tables (what a
     batch bucket below the engine's slots runs: no slices copied out and back): the same plan and

@@ -204,17 +204,18 @@ def _write_rows_to_host_kernel(
 def write_rows_to_host_pallas(pool, layer, rows, host_slots, *, rows_per_program=DEFAULT_ROWS_PER_PROGRAM):
     """The Pallas write into the pinned pool in place; shapes as write_rows_to_host."""
     check_write_inputs(pool, layer, rows, host_slots)
-    return _write_pallas(pool, jnp.reshape(layer, (1,)).astype(jnp.int32), rows, host_slots, rows_per_program, all_layers=False)
+    return _write_pallas(pool, layer, rows, host_slots, rows_per_program, all_layers=False)
 
 
 def write_all_layer_rows_to_host_pallas(pool, rows, host_slots, *, rows_per_program=DEFAULT_ROWS_PER_PROGRAM):
     """The Pallas write of every layer's rows (row[L, N, W]) in one launch: grid (N blocks, L),
     each program one layer's block of rows; shapes as write_all_layer_rows_to_host."""
     check_write_all_layers_inputs(pool, rows, host_slots)
-    return _write_pallas(pool, jnp.zeros((1,), jnp.int32), rows, host_slots, rows_per_program, all_layers=True)
+    return _write_pallas(pool, 0, rows, host_slots, rows_per_program, all_layers=True)  # layer unused: the grid's second axis
 
 
 def _write_pallas(pool, layer, rows, host_slots, rows_per_program, *, all_layers):
+    """One write launch: rows row[N, W] into `layer` (int or i32[]), or with all_layers row[L, N, W] into every layer."""
     N = host_slots.shape[0]
     return pl.pallas_call(
         functools.partial(_write_rows_to_host_kernel, rows=rows_per_program, all_layers=all_layers, interpret=common.interpret_mode()),

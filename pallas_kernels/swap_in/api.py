@@ -28,6 +28,7 @@ P host pages per request.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
@@ -55,14 +56,19 @@ def swap_in_plan(buffer_tokens, lru_slots, scratch, layer, topk, lengths, page_t
             buffer_tokens, lru_slots, scratch, jnp.asarray(layer, jnp.int32), topk, lengths, page_table, page_size=page_size
         )
     b = topk.shape[0]
-    if implementation == "tpu":
+    if implementation == "tpu":  # its grid covers every request slot: a smaller batch plans on `layer`'s first b, cut out
         from pallas_kernels.swap_in.pallas_tpu import swap_in_plan_tpu
 
+        if b == buffer_tokens.shape[1]:
+            return swap_in_plan_tpu(
+                buffer_tokens, lru_slots, scratch, jnp.asarray(layer, jnp.int32), topk, lengths, page_table, page_size=page_size
+            )
+        cut = lambda x: jax.lax.dynamic_slice_in_dim(x, layer, 1, axis=0)[:, :b]  # noqa: E731  i32[1, b, B]
         plan, tokens, lru, _ = swap_in_plan_tpu(
-            buffer_tokens[:, :b], lru_slots[:, :b], scratch[:b], jnp.asarray(layer, jnp.int32), topk, lengths, page_table[:b],
-            page_size=page_size,
-        )  # fmt: skip
-        return plan, buffer_tokens.at[:, :b].set(tokens), lru_slots.at[:, :b].set(lru), scratch
+            cut(buffer_tokens), cut(lru_slots), scratch[:b], jnp.int32(0), topk, lengths, page_table[:b], page_size=page_size
+        )
+        put = lambda full, part: jax.lax.dynamic_update_slice(full, part, (layer, 0, 0))  # noqa: E731
+        return plan, put(buffer_tokens, tokens), put(lru_slots, lru), scratch
     plan, tokens, lru = swap_in_plan_reference(
         buffer_tokens[layer, :b], lru_slots[layer, :b], topk, lengths, page_table[:b], page_size=page_size
     )
