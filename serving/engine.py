@@ -731,7 +731,7 @@ class Engine:
                 if self.speculative is not None:
                     self.cache, result, self._carry = self.runner.speculative_greedy_step(self.cache, self._carry, positions)
                 else:
-                    topk = None if self.selector is None else self.selector.select(positions, np.zeros(b, np.int32))
+                    topk = None if self.selector is None else self.selector.warm(b)
                     self.cache, _, result = self.runner.greedy_step(self.cache, tokens, positions, topk)
                 jax.device_get(result)
                 bar.update(1)

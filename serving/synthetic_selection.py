@@ -16,6 +16,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from serving.errors import UsageError
 
@@ -57,13 +58,15 @@ def fresh_positions(key_fresh, previous_sorted, n, count: int):
     return jnp.where(jnp.take_along_axis(ok, pick, axis=-1), jnp.take_along_axis(draws, pick, axis=-1), -1)
 
 
-def synthetic_topk(keys, previous, lengths, *, overlap: float):
+def synthetic_topk(keys, previous, lengths, *, overlap: float, steady: bool):
     """The next synthetic selection of every (layer, request).
 
     keys: key[R], one per slot (the engine derives it from the request and position, so a
     request's selections do not depend on what else runs);
     previous: i32[J, R, K] last step's selection, -1 none (a fresh request);
-    lengths: i32[R] context incl. this step's token (0: inactive slot).
+    lengths: i32[R] context incl. this step's token (0: inactive slot);
+    steady (static): every slot longer than K has a whole previous selection (the caller's
+    bookkeeping, SyntheticSelector), so K - keep fresh positions per slot suffice; else K.
     -> i32[J, R, K]: distinct positions in [0, length), -1 padding. A context of at most K
     positions is selected whole, as the indexer's top-k does. When fewer than K - keep fresh
     positions are found, more previous entries are kept instead.
@@ -78,14 +81,12 @@ def synthetic_topk(keys, previous, lengths, *, overlap: float):
     shuffled = jnp.take_along_axis(jnp.where(valid, previous, -1), order, axis=-1)  # i32[J, R, K]
     previous_sorted = jnp.sort(jnp.where(valid, previous, jnp.iinfo(jnp.int32).max), axis=-1)  # i32[J, R, K]
     # K - keep fresh positions once every running request has a whole previous selection (the
-    # steady state: cheap); K while some request starts (its first selection is all fresh).
-    steady = jnp.all(jnp.sum(valid, axis=-1) >= jnp.minimum(K, n[..., 0]))
-    few = max(K - keep, 1)
-    fresh = jax.lax.cond(
-        steady,
-        lambda: jnp.pad(fresh_positions(k_fresh, previous_sorted, n, few), ((0, 0), (0, 0), (0, K - few)), constant_values=-1),
-        lambda: fresh_positions(k_fresh, previous_sorted, n, K),
-    )  # i32[J, R, K]
+    # steady state: cheap); K while some request starts (its first selection is all fresh). A
+    # static choice, not a lax.cond: a cond's predicate is read back to the host, which would make
+    # every step wait for the one before it (the engine dispatches the next step ahead).
+    count = max(K - keep, 1) if steady else K
+    fresh = fresh_positions(k_fresh, previous_sorted, n, count)
+    fresh = jnp.pad(fresh, ((0, 0), (0, 0), (0, K - count)), constant_values=-1)  # i32[J, R, K]
     # Priority: `keep` previous entries, then fresh ones, then the other previous ones; first K valid win.
     pool = jnp.concatenate([shuffled[..., :keep], fresh, shuffled[..., keep:]], axis=-1)  # i32[J, R, 2K]
     rank = jnp.where(pool >= 0, jnp.arange(pool.shape[-1]), pool.shape[-1])
@@ -105,25 +106,25 @@ def overlap_counts(previous, current):
     return jnp.sum(shared, axis=-1, dtype=jnp.int32), jnp.sum(valid, axis=-1, dtype=jnp.int32)
 
 
-def _step(key, previous, positions, request_ids, *, overlap: float):
+def _step(key, previous, positions, request_ids, *, overlap: float, steady: bool):
     """positions, request_ids i32[R] (position -1: inactive) -> synthetic_topk plus its measured
     overlap against `previous`, over (layer, request) pairs whose previous and current sets are
     both full -> (i32[J, R, K], shared i32[], compared i32[])."""
     K = previous.shape[-1]
     lengths = jnp.where(positions >= 0, positions + 1, 0)  # i32[R]
     keys = jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(key, r), p))(request_ids, positions)
-    current = synthetic_topk(keys, previous, lengths, overlap=overlap)
+    current = synthetic_topk(keys, previous, lengths, overlap=overlap, steady=steady)
     shared, valid = overlap_counts(previous, current)
     full = (valid == K) & (jnp.sum(previous >= 0, axis=-1) == K)  # bool[J, R]
     return current, jnp.sum(jnp.where(full, shared, 0)), jnp.sum(jnp.where(full, valid, 0))
 
 
-def _select(key, previous, counts, positions, request_ids, *, overlap: float):
+def _select(key, previous, counts, positions, request_ids, *, overlap: float, steady: bool):
     """One jitted call per step: the selection of slots 0 .. b - 1 (b = positions' length), written
     back into `previous` (donated), and the running overlap counts -> (previous i32[J, R, K],
     counts i32[2], current i32[J, b, K])."""
     b = positions.shape[0]
-    current, shared, compared = _step(key, previous[:, :b], positions, request_ids, overlap=overlap)
+    current, shared, compared = _step(key, previous[:, :b], positions, request_ids, overlap=overlap, steady=steady)
     previous = jax.lax.dynamic_update_slice(previous, current, (0, 0, 0))
     return previous, counts + jnp.stack([shared, compared]), current
 
@@ -135,9 +136,14 @@ class SyntheticSelector:
         if not 0.0 <= overlap <= 1.0:
             raise UsageError(f"synthetic_topk_overlap must be in [0, 1], got {overlap}")
         self.overlap = overlap
+        self.top_k = top_k
         self.previous = jnp.full((num_index_layers, num_requests, top_k), -1, jnp.int32)  # i32[J, R, K]
+        # i64[R]: the context length of each slot's last selection (0: none since its reset). The
+        # host's copy of what `previous` holds, so that a step never reads the device to choose
+        # its form (synthetic_topk's `steady`).
+        self._selected_length = np.zeros(num_requests, np.int64)
         self._key = jax.random.key(seed)
-        self._select = jax.jit(functools.partial(_select, overlap=overlap), donate_argnums=(1, 2))
+        self._select = jax.jit(functools.partial(_select, overlap=overlap), static_argnames="steady", donate_argnums=(1, 2))
         self._reset = jax.jit(lambda previous, slot: previous.at[:, slot].set(-1), donate_argnums=0)
         self._move = jax.jit(lambda previous, source, target: previous.at[:, target].set(previous[:, source]), donate_argnums=0)
         self.reset_counts()
@@ -160,22 +166,44 @@ class SyntheticSelector:
     def reset(self, slot: int) -> None:
         """A new request starts in `slot`: no previous selection."""
         self.previous = self._reset(self.previous, jnp.int32(slot))
+        self._selected_length[slot] = 0
 
     def move(self, source: int, target: int) -> None:
         """The request in slot `source` moved to `target` (the engine's compaction): so does its
         previous selection."""
         self.previous = self._move(self.previous, jnp.int32(source), jnp.int32(target))
+        self._selected_length[target] = self._selected_length[source]
 
     def select(self, positions, request_ids) -> jax.Array:
         """positions i32[b] (-1 inactive), request_ids i32[b] of slots 0 .. b - 1 (b <= R) ->
         this step's top-k i32[J, b, K].
 
-        The draws depend on (seed, request id, position) only: a request gets the same
-        selections whatever runs beside it (and whichever slot it runs in), so HiSparse and the
-        baseline stay token-identical."""
-        positions = jnp.asarray(positions, jnp.int32)
-        request_ids = jnp.asarray(request_ids, jnp.int32)
-        self.previous, self._counts, current = self._select(self._key, self.previous, self._counts, positions, request_ids)
+        The draws depend on (seed, request id, position) and on whether every request of the
+        batch is past its first selection (the step's form, `steady`): a request gets the same
+        selections whatever runs beside it once no neighbour is starting, and whichever slot it
+        runs in, so HiSparse and the baseline stay token-identical.
+
+        A slot longer than K whose last selection was at the position before has a whole one
+        (min(K, n - 1) = K entries), so the host knows the form without reading the device. (A
+        first selection of a context barely longer than K can come out short, as its fresh draws
+        run out: the next step's fresh draws fill it up.)"""
+        positions = np.asarray(positions, np.int64)  # i64[b]
+        lengths = np.where(positions >= 0, positions + 1, 0)  # i64[b]
+        b = len(lengths)
+        steady = bool(np.all((lengths <= self.top_k) | (self._selected_length[:b] == lengths - 1)))
+        self.previous, self._counts, current = self._select(
+            self._key, self.previous, self._counts, positions.astype(np.int32), np.asarray(request_ids, np.int32), steady=steady
+        )
+        self._selected_length[:b] = lengths
+        return current
+
+    def warm(self, b: int) -> jax.Array:
+        """Compiles both forms of a b-slot step, so a timed run compiles nothing; on an idle
+        engine (it clears slots 0 .. b - 1). -> the (all -1) selection i32[J, b, K]."""
+        positions, request_ids = np.full(b, -1, np.int32), np.zeros(b, np.int32)
+        for steady in (False, True):
+            self.previous, self._counts, current = self._select(self._key, self.previous, self._counts, positions, request_ids, steady=steady)
+        self._selected_length[:b] = 0
         return current
 
     @property

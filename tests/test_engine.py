@@ -7,6 +7,7 @@ and evicts; unwritten KV rows are NaN so any stray read would poison the tokens.
 """
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -23,6 +24,7 @@ from hisparse_jax.host_pages import HostPageAllocator
 from serving.workload import Request, random_requests
 from serving.scheduler import Scheduler
 from models.dsa.footprint import DeviceFootprint
+from serving import synthetic_selection
 from serving.synthetic_selection import SyntheticSelector
 from serving.telemetry import RequestTrace, StepRecord, summarize
 from models.dsa.model import DSAForCausalLM
@@ -340,6 +342,52 @@ def test_synthetic_selection_overlap_is_its_parameter(overlap):
     assert selector.compared_entries == 19 * 2 * 2 * K  # every step after the first, both layers and requests
     if fresh:  # fresh positions spread uniformly over their contexts (not, e.g., the lowest ones first)
         assert abs(np.mean(fresh) - 0.5) < 0.05 and np.quantile(fresh, 0.1) < 0.2 and np.quantile(fresh, 0.9) > 0.8, np.mean(fresh)
+
+
+def test_synthetic_selection_picks_its_form_on_the_host_as_the_device_would():
+    """The selector's step form (`steady`: fewer fresh draws once every request longer than K has
+    a whole previous selection) comes from host bookkeeping, not a lax.cond whose predicate the
+    host would read back every step (that made each step wait for the one before it). The host's
+    choice must equal what the device's previous selections say, through starts, moves, resets
+    and inactive slots; and neither form's program holds a conditional."""
+    J, R, K = 2, 4, 32
+    selector = SyntheticSelector(num_index_layers=J, num_requests=R, top_k=K, overlap=0.75, seed=3)
+    chosen, original = [], selector._select
+
+    def spy(*args, steady):
+        chosen.append(steady)
+        return original(*args, steady=steady)
+
+    selector._select = spy
+    positions, ids = np.array([100, 20, -1, 31], np.int64), np.array([1, 2, 0, 4], np.int32)
+    seen = []
+    for step in range(10):
+        if step == 3:  # a new request starts in slot 2, mid-run
+            selector.reset(2)
+            positions[2], ids[2] = 70, 9
+        if step == 5:  # request 2 ended: compaction moves slot 3 onto slot 1
+            selector.move(3, 1)
+            positions[1], ids[1], positions[3] = positions[3], ids[3], -1
+        if step == 6:  # a start reuses slot 3
+            selector.reset(3)
+            positions[3], ids[3] = 500, 11
+        if step == 7:  # slot 0's request ends and a new one starts there at the very next position
+            selector.reset(0)
+            ids[0] = 12
+        n = np.where(positions >= 0, positions + 1, 0)  # i64[R]
+        previous = np.asarray(selector.previous)  # i32[J, R, K]
+        valid = ((previous >= 0) & (previous < n[None, :, None])).sum(-1)  # i64[J, R]
+        # What the device's previous selections say: every slot longer than K has K valid entries
+        # (a slot of at most K positions is selected whole, whatever the form).
+        seen.append(bool(np.all((valid >= K) | (n <= K)[None])))
+        selector.select(positions, ids)
+        positions = np.where(positions >= 0, positions + 1, -1)
+    assert chosen == seen and False in seen and True in seen, (chosen, seen)
+    for steady in (False, True):
+        lowered = jax.jit(functools.partial(synthetic_selection._select, overlap=0.75, steady=steady)).lower(
+            selector._key, selector.previous, jnp.zeros((2,), jnp.int32), jnp.zeros((R,), jnp.int32), jnp.zeros((R,), jnp.int32)
+        )
+        assert "conditional" not in lowered.compile().as_text()
 
 
 def test_synthetic_selection_depends_on_the_request_not_its_slot():
