@@ -126,6 +126,11 @@ flags.DEFINE_integer(
     " their own) under jax.profiler into OUTPUT_DIR/trace_<mode>, split per category (benchmarks/step_split.py); 0: off.",
 )
 flags.DEFINE_bool(
+    "keep_hlo_dump", False,
+    "With --profile_steps: keep the decode programs' optimised HLO as hlo_dump.tgz in --output_dir"
+    " (benchmarks/probes/command_buffer_layout.py reads it); else only XLA's memory reports are kept.",
+)
+flags.DEFINE_bool(
     "profile_command_buffers", True,
     "With --profile_steps: keep XLA's command buffers (CUDA graphs) on under the profiler"
     " (--xla_enable_command_buffers_during_profiling), so the split's host_idle is the host time of the"
@@ -672,6 +677,10 @@ def main(_):
         with tarfile.open(os.path.join(FLAGS.output_dir, "hlo_memory_reports.tar.gz"), "w:gz") as tar:
             for path in reports:
                 tar.add(path, arcname=os.path.basename(path))
+        if FLAGS.keep_hlo_dump:
+            with tarfile.open(os.path.join(FLAGS.output_dir, "hlo_dump.tgz"), "w:gz") as tar:
+                for path in sorted(glob.glob(os.path.join(HLO_DUMP_DIR, "*after_optimizations.txt"))):
+                    tar.add(path, arcname=os.path.join("hlo_dump", os.path.basename(path)))
         shutil.rmtree(HLO_DUMP_DIR, ignore_errors=True)
     log("done; wrote", os.path.join(FLAGS.output_dir, "bench_serving.json"))
 

@@ -7,7 +7,9 @@
 #   skip_temp      --xla_gpu_command_buffer_update_mode=SKIP_TEMP (temp buffers at fixed addresses)
 #   skip_profiled  --xla_gpu_command_buffer_update_mode=SKIP_PROFILED (parameters, outputs and temps
 #                  whose addresses held over the first executions: no update, a VA remap instead)
-# LAYERS (12) keeps two variants' engines in one call (~140 s each at 12 layers). Each variant also
+# LAYERS (12) keeps two variants' engines in one call (~140 s each at 12 layers); RUN_TIMEOUT (250 s)
+# bounds each variant, and its bench_serving budget follows it (at 200 s the baseline's segment was
+# skipped: bench_serving skips a segment unless 1.2 x the longest one so far still fits). Each variant also
 # splits PROFILE_STEPS (3) steps at c = 1 and at capacity under the profiler, command buffers kept on,
 # with the host threads' busiest events (bench_serving.json: step_split[].host_events).
 #   OUT=/tmp/out VARIANTS="default skip_profiled" bash benchmarks/command_buffer_h200.sh
@@ -27,11 +29,11 @@ declare -A FLAGS_OF=(
   [skip_profiled]="--xla_gpu_command_buffer_update_mode=SKIP_PROFILED"
 )
 for variant in ${VARIANTS:-default skip_profiled}; do
-  XLA_FLAGS="${XLA_FLAGS:-} ${FLAGS_OF[$variant]}" timeout ${RUN_TIMEOUT:-210} python3 benchmarks/bench_serving.py \
+  XLA_FLAGS="${XLA_FLAGS:-} ${FLAGS_OF[$variant]}" timeout ${RUN_TIMEOUT:-250} python3 benchmarks/bench_serving.py \
     --num_layers=${LAYERS:-12} --kv_cache_dtype=fp8_e4m3 --phases=synthetic --concurrency=${CONCURRENCY:-1} \
-    --warm_steps=3 --steps=12 --profile_steps=${PROFILE_STEPS:-3} --profile_running=1 --time_budget_s=200 --output_dir="$OUT/$variant" "$@" 2>&1 \
-    | grep -v "^WARNING\|^I1\|^W1" | grep "ready\|c=\|step ~\|hisparse / baseline\|error\|Error" | sed "s/^/[$variant] /"
-  # the decode programs' optimised HLO (which ops XLA put in which command buffer), compressed
-  [[ -d "$OUT/$variant/hlo_dump" ]] && tar czf "$OUT/$variant/hlo_dump.tgz" -C "$OUT/$variant" hlo_dump
+    --warm_steps=3 --steps=12 --profile_steps=${PROFILE_STEPS:-3} --profile_running=1 --time_budget_s=$((${RUN_TIMEOUT:-250} - 10)) --keep_hlo_dump --output_dir="$OUT/$variant" "$@" 2>&1 \
+    | grep -v "^WARNING\|^I1\|^W1" | grep "ready\|c=\|step ~\|hisparse / baseline\|error\|Error\|skip" | sed "s/^/[$variant] /"
+  # hlo_dump.tgz (--keep_hlo_dump): the decode programs' optimised HLO, which ops XLA put in which
+  # command buffer (python benchmarks/probes/command_buffer_layout.py $OUT/<variant>/hlo_dump.tgz)
   rm -rf "$OUT/$variant"/trace_* "$OUT/$variant"/hlo_dump "$OUT/$variant"/*.png  # large; the splits are in the JSON
 done
