@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The pure-Python wheels the H200 machine lacks for the fp8 MoE route (tokamax 0.0.17 and what it
-# imports) and for jax-triton, into .whl/ (git-ignored: .git/info/exclude), ~6 MB. The machine has
+# imports) and for jax-triton, into .whl/ (git-ignored), ~6 MB. The machine has
 # no network: carry .whl with the device call and install with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 # xprof (32 MB, imported by tokamax at import time, used only by its autotuner) is replaced by an
