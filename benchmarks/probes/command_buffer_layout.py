@@ -1,7 +1,8 @@
 """Which of a decode step's ops run inside XLA command buffers (CUDA graphs) and which the host
 launches one by one? Reads the optimised HLO that bench_serving dumps (hlo_dump/, kept by
 command_buffer_h200.sh as hlo_dump.tgz) and prints, per decode-step module: the entry
-computation's thunk-producing ops, how many command buffers there are and how many ops they hold,
+computation's thunk-producing ops, how many command buffers there are and how many ops they hold
+(by kind: a while, conditional or nested call inside one can make XLA re-record it every run),
 and the ops outside them by kind (custom-call target, copy, ...), with the ones that split the
 command buffers most. An engine whose layers each break the graph pays a host launch per break.
 
@@ -50,6 +51,7 @@ def layout(text: str) -> dict:
     """The entry computation's thunk ops: command buffers (ops inside each) and ops outside."""
     comps = computations(text)
     inside, outside, breaks = [], collections.Counter(), collections.Counter()
+    inside_kinds = collections.Counter()  # while / conditional / copy here: commands XLA may re-record every run
     previous_was_buffer = False
     for line in comps.get("ENTRY", []):
         match = INSTRUCTION.match(line)
@@ -58,8 +60,9 @@ def layout(text: str) -> dict:
         opcode, rest = match.group(3), match.group(4)
         callee = CALLEE.search(rest)
         if opcode == "call" and callee and callee.group(1).startswith("command_buffer"):
-            ops = [INSTRUCTION.match(x) for x in comps.get(callee.group(1), [])]
-            inside.append(sum(1 for m in ops if m and m.group(3) not in NO_THUNK))
+            ops = [m for m in (INSTRUCTION.match(x) for x in comps.get(callee.group(1), [])) if m and m.group(3) not in NO_THUNK]
+            inside.append(len(ops))
+            inside_kinds.update(op_kind(m.group(3), m.group(4)) for m in ops)
             previous_was_buffer = True
             continue
         kind = op_kind(opcode, rest)
@@ -68,6 +71,7 @@ def layout(text: str) -> dict:
             breaks[kind] += 1  # the op that ended a command buffer
         previous_was_buffer = False
     return dict(command_buffers=len(inside), ops_in_buffers=sum(inside), largest_buffer=max(inside, default=0),
+                inside_by_kind=dict(inside_kinds.most_common()),
                 ops_outside=sum(outside.values()), outside_by_kind=dict(outside.most_common()),
                 buffer_enders=dict(breaks.most_common(10)))  # fmt: skip
 
