@@ -29,7 +29,9 @@ def _uniform(keys, shape):
 def _member(values, sorted_set):
     """values i32[..., N], sorted_set i32[..., S] (ascending) -> bool[..., N]: each value in the set."""
     flat_values, flat_set = values.reshape(-1, values.shape[-1]), sorted_set.reshape(-1, sorted_set.shape[-1])
-    index = jax.vmap(jnp.searchsorted)(flat_set, flat_values)  # i32[rows, N]
+    # "scan_unrolled": the binary search unrolled, so the program holds no while loop (a loop's
+    # trip test can be read back on the host; the default "scan" method is a fori_loop).
+    index = jax.vmap(functools.partial(jnp.searchsorted, method="scan_unrolled"))(flat_set, flat_values)  # i32[rows, N]
     found = jnp.take_along_axis(flat_set, jnp.minimum(index, flat_set.shape[-1] - 1), axis=-1) == flat_values
     return found.reshape(values.shape)
 
