@@ -138,7 +138,6 @@ class SyntheticSelector:
         if not 0.0 <= overlap <= 1.0:
             raise UsageError(f"synthetic_topk_overlap must be in [0, 1], got {overlap}")
         self.overlap = overlap
-        self.top_k = top_k
         self.previous = jnp.full((num_index_layers, num_requests, top_k), -1, jnp.int32)  # i32[J, R, K]
         # i64[R]: the context length of each slot's last selection (0: none since its reset). The
         # host's copy of what `previous` holds, so that a step never reads the device to choose
@@ -192,7 +191,8 @@ class SyntheticSelector:
         positions = np.asarray(positions, np.int64)  # i64[b]
         lengths = np.where(positions >= 0, positions + 1, 0)  # i64[b]
         b = len(lengths)
-        steady = bool(np.all((lengths <= self.top_k) | (self._selected_length[:b] == lengths - 1)))
+        K = self.previous.shape[-1]
+        steady = bool(np.all((lengths <= K) | (self._selected_length[:b] == lengths - 1)))
         self.previous, self._counts, current = self._select(
             self._key, self.previous, self._counts, positions.astype(np.int32), np.asarray(request_ids, np.int32), steady=steady
         )

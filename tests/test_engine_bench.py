@@ -2,6 +2,7 @@
 session is a single call, so a crash there would cost the whole measurement). ~25 s, so slow:
 run it with `pytest -m slow tests/test_engine_bench.py` after touching the engine or the script."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -93,8 +94,8 @@ def test_bench_serving_splits_the_step_at_c1_and_at_capacity(tmp_path):
     assert (tmp_path / "step_split.png").stat().st_size > 0
     # --keep_hlo_dump: the decode programs' optimised HLO, which the command-buffer probe reads (the
     # CPU backend has no command buffers: every thunk op is outside one)
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "probes"))
-    import command_buffer_layout
-
+    spec = importlib.util.spec_from_file_location("command_buffer_layout", os.path.join(ROOT, "benchmarks", "probes", "command_buffer_layout.py"))
+    command_buffer_layout = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(command_buffer_layout)
     layouts = [command_buffer_layout.layout(text) for _, text in command_buffer_layout.dumped_modules(str(tmp_path / "hlo_dump.tgz"), "decode_step")]
     assert layouts and all(x["command_buffers"] == 0 and x["ops_outside"] > 10 for x in layouts), layouts
