@@ -22,7 +22,7 @@ source benchmarks/gpu_wheels/env.sh
 # The kernels this session changed, compiled on the GPU against their references: the plan of a
 # batch below the slot count on the whole tables (the c = 1 points below run it) and the backup
 # of every layer's newest rows in one launch.
-JAX_PLATFORMS=cuda timeout 150 python3 -m pytest -q -n 0 -p no:cacheprovider -W ignore --tb=short tests/test_swap_in.py \
+[[ ${GPU_TESTS:-1} == 1 ]] && JAX_PLATFORMS=cuda timeout 150 python3 -m pytest -q -n 0 -p no:cacheprovider -W ignore --tb=short tests/test_swap_in.py \
   "tests/test_attention_layer.py::test_prefetched_shared_layer_and_deferred_backup_equal_no_offload" \
   -k "(whole_tables or SGLang or one_call or deferred_backup) and not tpu" 2>&1 | tail -5  # tpu: interpret mode, CPU only
 declare -A FLAGS_OF=(
@@ -30,12 +30,22 @@ declare -A FLAGS_OF=(
   [skip_temp]="--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
   [skip_profiled]="--xla_gpu_command_buffer_update_mode=SKIP_PROFILED"
 )
+# CB_VLOG=1: XLA's command_buffer_thunk logs every re-record with its command count and how many
+# allocations moved; command_buffer_updates.txt counts them per command buffer (by size).
+[[ ${CB_VLOG:-0} == 1 ]] && export TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0
 for variant in ${VARIANTS:-default}; do
+  mkdir -p "$OUT/$variant"
   XLA_FLAGS="${XLA_FLAGS:-} ${FLAGS_OF[$variant]}" timeout ${RUN_TIMEOUT:-250} python3 benchmarks/bench_serving.py \
     --num_layers=${LAYERS:-12} --kv_cache_dtype=fp8_e4m3 --phases=synthetic --concurrency=${CONCURRENCY:-1} \
     --warm_steps=3 --steps=12 --profile_steps=${PROFILE_STEPS:-3} --profile_running=1 --time_budget_s=$((${RUN_TIMEOUT:-250} - 10)) --keep_hlo_dump --output_dir="$OUT/$variant" "$@" 2>&1 \
-    | grep -v "^WARNING\|^I1\|^W1" | grep "ready\|c=\|step ~\|hisparse / baseline\|error\|Error\|skip" | sed "s/^/[$variant] /"
+    | tee "$OUT/$variant/run.log" | grep -v "^WARNING\|^I1\|^W1" | grep "ready\|c=\|step ~\|hisparse / baseline\|error\|Error\|skip" | sed "s/^/[$variant] /"
   # hlo_dump.tgz (--keep_hlo_dump): the decode programs' optimised HLO, which ops XLA put in which
   # command buffer (python benchmarks/probes/command_buffer_layout.py $OUT/<variant>/hlo_dump.tgz)
+  if [[ ${CB_VLOG:-0} == 1 ]]; then
+    python3 benchmarks/probes/command_buffer_updates.py "$OUT/$variant/run.log" | tee "$OUT/$variant/command_buffer_updates.txt"
+  fi
+  [[ -f $OUT/$variant/hlo_dump.tgz ]] && python3 benchmarks/probes/command_buffer_layout.py "$OUT/$variant/hlo_dump.tgz" \
+    > "$OUT/$variant/command_buffer_layout.txt" 2>&1 && head -60 "$OUT/$variant/command_buffer_layout.txt"
+  gzip -f "$OUT/$variant/run.log"
   rm -rf "$OUT/$variant"/trace_* "$OUT/$variant"/hlo_dump "$OUT/$variant"/*.png  # large; the splits are in the JSON
 done
