@@ -152,6 +152,11 @@ flags.DEFINE_string(
     " other mode's: its points and step splits for modes this run did not measure join this run's before"
     " the ratios and the summary are computed (recorded under merged_from).",
 )
+flags.DEFINE_string(
+    "decode_xla_options", "",
+    'XLA options for the decode step\'s compile alone, as JSON (jax.jit compiler_options), e.g. '
+    '\'{"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"}\'; recorded in the JSON\'s setup.',
+)
 flags.DEFINE_string("replot", None, "Only redraw the plots of this bench_serving.json into --output_dir (no JAX work).")
 
 # The budget assumption, stated in the output. An H200 has 141 GB of HBM. DeepSeek-V3.2 in FP8
@@ -274,12 +279,26 @@ def build() -> Setup:
         host_pool=dict(rows_per_layer=hisparse.host_to_device_ratio * capacity["hisparse"] * B,
                        bytes=hisparse.host_to_device_ratio * capacity["hisparse"] * B * row_bytes * config.num_layers,
                        rule="host_to_device_ratio x HiSparse's device pool (slots x device_buffer_size rows per layer)"),
-        warm_steps=FLAGS.warm_steps, timed_steps=FLAGS.steps,
+        warm_steps=FLAGS.warm_steps, timed_steps=FLAGS.steps, decode_xla_options=decode_xla_options(),
     )  # fmt: skip
     log("capacity under the budget:", capacity)
     log("at 32k tokens:", {k: {m: v[m] for m in ("hisparse", "baseline")} for k, v in RESULTS["setup"]["capacity_at_32k"].items() if isinstance(v, dict)})
     save()
-    return Setup(ModelRunner(model, kv_cache_dtype=kv_cache_dtype), hisparse, context, context - FLAGS.warm_steps - FLAGS.steps, budget, capacity)
+    runner = ModelRunner(model, kv_cache_dtype=kv_cache_dtype, decode_compiler_options=decode_xla_options())
+    return Setup(runner, hisparse, context, context - FLAGS.warm_steps - FLAGS.steps, budget, capacity)
+
+
+def decode_xla_options() -> dict:
+    """--decode_xla_options parsed; a malformed value stops the run with its message."""
+    if not FLAGS.decode_xla_options:
+        return {}
+    try:
+        options = json.loads(FLAGS.decode_xla_options)
+    except json.JSONDecodeError as e:
+        raise app.UsageError(f"--decode_xla_options is not JSON: {e}") from None
+    if not isinstance(options, dict):
+        raise app.UsageError("--decode_xla_options must be a JSON object of XLA option -> value")
+    return options
 
 
 def capacity_at(config: DSAModelConfig, dtype, hisparse: HiSparseConfig, budget: int, tokens: int) -> dict:

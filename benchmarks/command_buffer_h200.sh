@@ -7,6 +7,8 @@
 #   skip_temp      --xla_gpu_command_buffer_update_mode=SKIP_TEMP (temp buffers at fixed addresses)
 #   skip_profiled  --xla_gpu_command_buffer_update_mode=SKIP_PROFILED (parameters, outputs and temps
 #                  whose addresses held over the first executions: no update, a VA remap instead)
+#   skip_temp_decode, skip_profiled_decode   those modes for the decode step's compile alone
+#                  (bench_serving --decode_xla_options), every other program as default
 # (skip_temp and skip_profiled segfault in jaxlib 0.11.2 on the H200: docs/PERFORMANCE.md, 2026-12-03.)
 # LAYERS (12) keeps two variants' engines in one call (~140 s each at 12 layers); RUN_TIMEOUT (250 s)
 # bounds each variant, and its bench_serving budget follows it (at 200 s the baseline's segment was
@@ -30,14 +32,18 @@ declare -A FLAGS_OF=(
   [skip_temp]="--xla_gpu_command_buffer_update_mode=SKIP_TEMP"
   [skip_profiled]="--xla_gpu_command_buffer_update_mode=SKIP_PROFILED"
 )
+declare -A DECODE_OPTIONS_OF=(
+  [skip_temp_decode]='{"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"}'
+  [skip_profiled_decode]='{"xla_gpu_command_buffer_update_mode": "SKIP_PROFILED"}'
+)
 # CB_VLOG=1: XLA's command_buffer_thunk logs every re-record with its command count and how many
 # allocations moved; command_buffer_updates.txt counts them per command buffer (by size).
 [[ ${CB_VLOG:-0} == 1 ]] && export TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0
 for variant in ${VARIANTS:-default}; do
   mkdir -p "$OUT/$variant"
-  XLA_FLAGS="${XLA_FLAGS:-} ${FLAGS_OF[$variant]}" timeout ${RUN_TIMEOUT:-250} python3 benchmarks/bench_serving.py \
+  XLA_FLAGS="${XLA_FLAGS:-} ${FLAGS_OF[$variant]:-}" timeout ${RUN_TIMEOUT:-250} python3 benchmarks/bench_serving.py \
     --num_layers=${LAYERS:-12} --kv_cache_dtype=fp8_e4m3 --phases=synthetic --concurrency=${CONCURRENCY:-1} \
-    --warm_steps=3 --steps=12 --profile_steps=${PROFILE_STEPS:-3} --profile_running=1 --time_budget_s=$((${RUN_TIMEOUT:-250} - 10)) --keep_hlo_dump --output_dir="$OUT/$variant" "$@" 2>&1 \
+    --warm_steps=3 --steps=12 --profile_steps=${PROFILE_STEPS:-3} --profile_running=1 --time_budget_s=$((${RUN_TIMEOUT:-250} - 10)) --keep_hlo_dump --output_dir="$OUT/$variant" --decode_xla_options="${DECODE_OPTIONS_OF[$variant]:-}" "$@" 2>&1 \
     | tee "$OUT/$variant/run.log" | grep -v "^WARNING\|^I1\|^W1" | grep "ready\|c=\|step ~\|hisparse / baseline\|error\|Error\|skip" | sed "s/^/[$variant] /"
   # hlo_dump.tgz (--keep_hlo_dump): the decode programs' optimised HLO, which ops XLA put in which
   # command buffer (python benchmarks/probes/command_buffer_layout.py $OUT/<variant>/hlo_dump.tgz)

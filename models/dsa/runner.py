@@ -142,6 +142,7 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         shared_prefetch: str | None = None,
         speculative=None,
+        decode_compiler_options: dict | None = None,
     ):
         """parallel: tensor / data-parallel-attention layout (hisparse_jax.sharding); None or a
         single-device config runs on the default device. kv_cache_dtype: the caches' format
@@ -150,13 +151,15 @@ class ModelRunner:
         over a mesh), so the engine can count the rows it stages (DeviceFootprint).
         speculative: a configs.speculative.SpeculativeConfig to decode with the model's MTP layer
         (models.dsa.speculative; speculative_step): caches then hold the MTP layer's KV too and
-        prefill ends with it. One device only."""
+        prefill ends with it. One device only. decode_compiler_options: XLA options for the decode
+        step's compile alone (jax.jit compiler_options), e.g. its command-buffer update mode."""
         if speculative is not None:
             if model.mtp is None:
                 raise ValueError("speculative decoding needs the model's MTP layer (num_nextn_predict_layers = 0 here)")
             if parallel is not None and not parallel.is_single_device:
                 raise ValueError("speculative decoding runs on one device (no tensor / data-parallel mesh) yet")
         self.speculative = speculative
+        self.decode_compiler_options = dict(decode_compiler_options or {})
         self.config = model.config
         self.dtype = model.dtype
         self.kv_cache_dtype = kv_cache_dtype
@@ -222,6 +225,7 @@ class ModelRunner:
                     functools.partial(
                         decode_step, self.graphdef, implementation=self.implementation, mesh=self.mesh, shared_prefetch=self.shared_prefetch
                     ),
+                    **({"compiler_options": self.decode_compiler_options} if self.decode_compiler_options else {}),
                 ),
             )
             if self.speculative is not None:
