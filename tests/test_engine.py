@@ -720,3 +720,15 @@ def test_timed_serving_runs_compile_nothing_in_a_fresh_process(tmp_path):
                           env=dict(env, JAX_PLATFORMS="cpu"), timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "compiles in timed runs: 0" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_decode_compiler_options_reach_the_decode_step_compile():
+    """ModelRunner(decode_compiler_options) goes to the decode step's jax.jit alone: a name XLA
+    does not know is refused when that step compiles (prefill, compiled first, runs as usual)."""
+    runner = ModelRunner(
+        DSAForCausalLM(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0)), prefill_chunk=32,
+        decode_compiler_options={"xla_no_such_option_for_this_test": True},
+    )  # fmt: skip
+    prompt = np.arange(9, dtype=np.int32)[None]
+    with pytest.raises(Exception, match="xla_no_such_option_for_this_test"):
+        generate(runner, prompt, 2)

@@ -5,6 +5,8 @@ computation's thunk-producing ops, how many command buffers there are and how ma
 (by kind: a while, conditional or nested call inside one can make XLA re-record it every run),
 and the ops outside them by kind (custom-call target, copy, ...), with the ones that split the
 command buffers most. An engine whose layers each break the graph pays a host launch per break.
+jaxlib 0.11.2 forms its command buffers from the thunk sequence after the optimised-HLO dump, so
+on its dumps this finds none (2026-12-04); command_buffer_updates.py reads XLA's log instead.
 
     python benchmarks/probes/command_buffer_layout.py docs/perf/<run>/hlo_dump.tgz [--module_re=decode_step]
 """

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import collections
 import re
+import sys
 
 # jaxlib 0.11.2 spells it "[0] Create/Update command buffer by recoding ..."; XLA's head "Update command buffer on device #0 ...".
 UPDATE = re.compile(r"Update command buffer (?:on device #\d+ )?by recoding command buffer cmd sequence after (\d+) "
@@ -42,22 +43,23 @@ def summarise(lines) -> dict[int, dict]:
     return per_buffer
 
 
-def main() -> None:
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("log")
-    args = parser.parse_args()
+    args = parser.parse_args(argv[1:])
     with open(args.log, errors="replace") as f:
         per_buffer = summarise(f)
     if not per_buffer:
-        print("no command_buffer_thunk lines: was TF_CPP_VMODULE=command_buffer_thunk=3 set?")
-        return
+        print(f"{args.log}: no command_buffer_thunk lines: was TF_CPP_VMODULE=command_buffer_thunk=3 set?", file=sys.stderr)
+        return 2
     print(f"{'commands':>9} {'updates':>8} {'update ms':>10} {'ms/update':>10} {'inits':>6}  moved allocs (count)   runs between updates (count)")
     for commands, e in sorted(per_buffer.items(), key=lambda kv: -kv[1]["update_us"]):
         per_update = e["update_us"] / e["updates"] / 1e3 if e["updates"] else 0.0
         moved = ", ".join(f"{k}:{v}" for k, v in sorted(e["moved_allocs"].items()))
         runs = ", ".join(f"{k}:{v}" for k, v in sorted(e["runs_between"].items()))
         print(f"{commands:>9} {e['updates']:>8} {e['update_us'] / 1e3:>10.1f} {per_update:>10.3f} {e['initializations']:>6}  {moved:<22} {runs}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv))
