@@ -189,7 +189,9 @@ def test_a_model_without_mtp_cannot_speculate():
         ModelRunner(model, speculative=SPEC)
 
 
-@pytest.mark.parametrize("hisparse", [True, False], ids=["hisparse", "baseline"])
+# baseline is slow (CI time): test_serving_run_reports_acceptance_and_plots_it serves the baseline
+# speculating and checks it gives HiSparse's tokens.
+@pytest.mark.parametrize("hisparse", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["hisparse", "baseline"])
 def test_engine_speculates_to_the_reference_tokens_and_gives_everything_back(hisparse):
     """Three requests through two slots (one retires early at its EOS, one at a short
     max_new_tokens; compaction moves the third down; batch buckets): each gets the reference's
