@@ -1,6 +1,6 @@
 """Which of a decode step's ops run inside XLA command buffers (CUDA graphs) and which the host
-launches one by one? Reads the optimised HLO that bench_serving dumps (hlo_dump/, kept by
-command_buffer_h200.sh as hlo_dump.tgz) and prints, per decode-step module: the entry
+launches one by one? Reads the optimised HLO that bench_serving dumps (hlo_dump/, kept
+as hlo_dump.tgz with --keep_hlo_dump) and prints, per decode-step module: the entry
 computation's thunk-producing ops, how many command buffers there are and how many ops they hold
 (by kind: a while, conditional or nested call inside one can make XLA re-record it every run),
 and the ops outside them by kind (custom-call target, copy, ...), with the ones that split the
