@@ -126,11 +126,6 @@ flags.DEFINE_integer(
     " their own) under jax.profiler into OUTPUT_DIR/trace_<mode>, split per category (benchmarks/step_split.py); 0: off.",
 )
 flags.DEFINE_bool(
-    "keep_hlo_dump", False,
-    "With --profile_steps: keep the decode programs' optimised HLO as hlo_dump.tgz in --output_dir"
-    " (benchmarks/probes/command_buffer_layout.py reads it); else only XLA's memory reports are kept.",
-)
-flags.DEFINE_bool(
     "profile_command_buffers", True,
     "With --profile_steps: keep XLA's command buffers (CUDA graphs) on under the profiler"
     " (--xla_enable_command_buffers_during_profiling), so the split's host_idle is the host time of the"
@@ -211,6 +206,7 @@ class Setup:
 def build() -> Setup:
     config = model_config()
     dtype = jnp.bfloat16
+    xla_options = decode_xla_options()  # a malformed flag stops the run before any JAX work
     hisparse = HiSparseConfig.from_json(FLAGS.hisparse_config)
     context = 256 if FLAGS.smoke else FLAGS.context  # = host_to_device_ratio x B: one context per slot
     if FLAGS.smoke:
@@ -279,12 +275,12 @@ def build() -> Setup:
         host_pool=dict(rows_per_layer=hisparse.host_to_device_ratio * capacity["hisparse"] * B,
                        bytes=hisparse.host_to_device_ratio * capacity["hisparse"] * B * row_bytes * config.num_layers,
                        rule="host_to_device_ratio x HiSparse's device pool (slots x device_buffer_size rows per layer)"),
-        warm_steps=FLAGS.warm_steps, timed_steps=FLAGS.steps, decode_xla_options=decode_xla_options(),
+        warm_steps=FLAGS.warm_steps, timed_steps=FLAGS.steps, decode_xla_options=xla_options,
     )  # fmt: skip
     log("capacity under the budget:", capacity)
     log("at 32k tokens:", {k: {m: v[m] for m in ("hisparse", "baseline")} for k, v in RESULTS["setup"]["capacity_at_32k"].items() if isinstance(v, dict)})
     save()
-    runner = ModelRunner(model, kv_cache_dtype=kv_cache_dtype, decode_compiler_options=decode_xla_options())
+    runner = ModelRunner(model, kv_cache_dtype=kv_cache_dtype, decode_compiler_options=xla_options)
     return Setup(runner, hisparse, context, context - FLAGS.warm_steps - FLAGS.steps, budget, capacity)
 
 
@@ -696,10 +692,6 @@ def main(_):
         with tarfile.open(os.path.join(FLAGS.output_dir, "hlo_memory_reports.tar.gz"), "w:gz") as tar:
             for path in reports:
                 tar.add(path, arcname=os.path.basename(path))
-        if FLAGS.keep_hlo_dump:
-            with tarfile.open(os.path.join(FLAGS.output_dir, "hlo_dump.tgz"), "w:gz") as tar:
-                for path in sorted(glob.glob(os.path.join(HLO_DUMP_DIR, "*after_optimizations.txt"))):
-                    tar.add(path, arcname=os.path.join("hlo_dump", os.path.basename(path)))
         shutil.rmtree(HLO_DUMP_DIR, ignore_errors=True)
     log("done; wrote", os.path.join(FLAGS.output_dir, "bench_serving.json"))
 

@@ -48,8 +48,6 @@ for variant in ${VARIANTS:-default}; do
   if [[ ${CB_VLOG:-0} == 1 ]]; then
     python3 benchmarks/probes/command_buffer_updates.py "$OUT/$variant/run.log" | tee "$OUT/$variant/command_buffer_updates.txt"
   fi
-  # (--keep_hlo_dump would keep the decode programs' optimised HLO; jaxlib 0.11.2 forms its command
-  # buffers after that dump, so probes/command_buffer_layout.py finds none there: the log says more.)
   gzip -f "$OUT/$variant/run.log"
   rm -rf "$OUT/$variant"/trace_* "$OUT/$variant"/hlo_dump "$OUT/$variant"/*.png  # large; the splits are in the JSON
 done
