@@ -210,7 +210,7 @@ def build() -> Setup:
     hisparse = HiSparseConfig.from_json(FLAGS.hisparse_config)
     context = 256 if FLAGS.smoke else FLAGS.context  # = host_to_device_ratio x B: one context per slot
     if FLAGS.smoke:
-        hisparse = HiSparseConfig(top_k=config.index_topk, device_buffer_size=2 * config.index_topk, host_to_device_ratio=8)
+        hisparse = dataclasses.replace(hisparse, top_k=config.index_topk, device_buffer_size=2 * config.index_topk, host_to_device_ratio=8)
     elif FLAGS.preset and hisparse.host_to_device_ratio * hisparse.device_buffer_size < context:
         # A rank's capacity is every slot at `context` tokens: the host pool must hold that many
         # contexts (at 40k and B = 4096 the default ratio 8 held 40 of 50: 2026-12-03).
@@ -578,8 +578,12 @@ def merge_from(path: str) -> None:
     other_setup = dict(other.get("setup", {}))
     if "model" in other_setup:  # runs before --fp8_activations existed ran without it
         other_setup["model"] = {"fp8_activations": False, **other_setup["model"]}
+    # miss_read changes how HiSparse reads its misses, not what it holds: a baseline-only run
+    # merges whatever its value (runs before the key existed read "copy").
+    normalise = lambda setup: {**setup, "hisparse_config": {**setup.get("hisparse_config", {}), "miss_read": None}}  # noqa: E731
+    other_setup, ours_setup = normalise(other_setup), normalise(RESULTS["setup"])
     for key in ("model", "capacity", "hisparse_config"):
-        if other_setup.get(key) != RESULTS["setup"].get(key):
+        if other_setup.get(key) != ours_setup.get(key):
             raise app.UsageError(f"--merge_from={path}: its setup's {key} differs from this run's")
     if other.get("setup", {}).get("contexts") != RESULTS["setup"].get("contexts"):
         raise app.UsageError(f"--merge_from={path}: its contexts differ from this run's")

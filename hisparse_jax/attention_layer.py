@@ -47,7 +47,6 @@ from hisparse_jax.config import SHARED_PREFETCH_MODES
 from hisparse_jax.state import KVState, jit_donating_state
 from pallas_kernels.common import check_equal, check_layer_index, check_rank, resolve_implementation
 from pallas_kernels.side_stream_gather import PendingGather, can_build_gpu
-from pallas_kernels.sparse_mla_attention import sparse_mla_attention
 from pallas_kernels.swap_in import SwapInPlan
 
 
@@ -80,14 +79,6 @@ def _check_step_inputs(state: KVState, layer, query, new_row, positions, selecti
     # The query meets the row's values (latent + rope), whatever width the stored row has.
     check_equal("query width", query.shape[2], "the state's latent + rope width", layout.logical_width)
     layout.check_rows("new_row", new_row)
-
-
-def _attend(state: KVState, query, layer, plan: SwapInPlan, latent_dim, sm_scale, implementation):
-    """f32[R, H, D]: the sparse MLA attention over the plan's slots of state.device_rows."""
-    return sparse_mla_attention(
-        query, state.device_rows, layer, plan.slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=state.layout,
-        implementation=implementation,
-    )
 
 
 def attention_layer(
@@ -126,13 +117,14 @@ def attention_layer(
     new_row = state.layout.to_stored(new_row)  # packed once: the device slot and the backup get the same bits
     state = state.write_newest(layer, new_row, positions)
     with jax.named_scope("swap_in"):  # scope names: where a profile's kernels belong (benchmarks/step_split.py)
-        state, plan = state.swap_in(layer, topk, lengths_from_positions(positions), implementation=implementation)
+        # defer_copy: with miss_read "attention" the attention kernel reads the misses itself.
+        state, plan = state.swap_in(layer, topk, lengths_from_positions(positions), implementation=implementation, defer_copy=True)
         if backup:
             state = state.backup_newest(layer, new_row, positions, implementation=implementation)
     if before_attention is not None:
         query = before_attention(state, plan, query)
     with jax.named_scope("attention"):
-        out = _attend(state, query, layer, plan, latent_dim, sm_scale, implementation)
+        state, out = state.attend(layer, query, plan, topk, latent_dim=latent_dim, sm_scale=sm_scale, implementation=implementation)
     return state, out, LayerStepInfo(plan.num_hits, plan.num_misses, plan if record_plan else None)
 
 
@@ -189,8 +181,8 @@ def shared_attention_layer(
             state = state.backup_newest(layer, new_row, positions, implementation=implementation)
     if before_attention is not None:
         query = before_attention(state, plan, query)
-    with jax.named_scope("attention"):
-        out = _attend(state, query, layer, plan, latent_dim, sm_scale, implementation)
+    with jax.named_scope("attention"):  # the anchor's misses are placed by now: no topk
+        state, out = state.attend(layer, query, plan, latent_dim=latent_dim, sm_scale=sm_scale, implementation=implementation)
     return state, out, LayerStepInfo(plan.num_hits, plan.num_misses, plan)
 
 

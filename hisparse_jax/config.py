@@ -39,6 +39,7 @@ _DEFAULT_HOST_TO_DEVICE_RATIO = 2
 _DEFAULT_SWAP_IN_BLOCK_SIZE = 960
 _MAX_SWAP_IN_BLOCK_SIZE = 1024  # a CUDA thread block's limit; SGLang enforces the same range
 SHARED_PREFETCH_MODES = ("ffi_stream", "stream", "early", "off")  # shared-index layers' row fetch
+MISS_READ_MODES = ("copy", "attention")  # how a decode step's missed rows reach attention
 
 
 class HiSparseConfigError(ValueError):
@@ -149,6 +150,12 @@ class HiSparseConfig:
     swap_in_block_size: SGLang's swap-in thread-block size (threads; one warp copies one row).
       Here it sets how many rows one copy program moves: the largest power of two <= its warps
       (960 -> 30 warps -> 16 rows, the launch shape measured in docs/PERFORMANCE.md).
+    miss_read: how a decode step's missed rows reach attention. "copy": a copy kernel moves them
+      host -> device slots, then attention reads every row from the device (SGLang's order).
+      "attention": the attention kernel reads them from the pinned pool itself, over PCIe, as it
+      attends, and writes them to their slots: no copy launch, no wait before attention, the
+      same result bit for bit (docs/architecture.md, "Reading misses in attention"). Decode
+      layers with their own indexer only; the paged pool (dynamic_residency) takes "copy".
     """
 
     top_k: int = _DEFAULT_TOP_K
@@ -157,12 +164,15 @@ class HiSparseConfig:
     swap_in_block_size: int = _DEFAULT_SWAP_IN_BLOCK_SIZE
     dynamic_residency: ResidencyConfig | None = None  # None: every request host-backed
     shared_prefetch: str | None = None  # one of SHARED_PREFETCH_MODES; None: the default (see above)
+    miss_read: str = "copy"  # one of MISS_READ_MODES (see the class docstring)
 
     def __post_init__(self):
         if self.shared_prefetch is not None and self.shared_prefetch not in SHARED_PREFETCH_MODES:
             raise HiSparseConfigError(f"shared_prefetch must be one of {SHARED_PREFETCH_MODES}, got {self.shared_prefetch!r}")
+        if self.miss_read not in MISS_READ_MODES:
+            raise HiSparseConfigError(f"miss_read must be one of {MISS_READ_MODES}, got {self.miss_read!r}")
         for field in dataclasses.fields(self):
-            if field.name not in ("dynamic_residency", "shared_prefetch"):
+            if field.name not in ("dynamic_residency", "shared_prefetch", "miss_read"):
                 _require_positive_int(field.name, getattr(self, field.name))
         if isinstance(self.dynamic_residency, Mapping):  # to_json's nested object read back
             object.__setattr__(self, "dynamic_residency", ResidencyConfig.from_dict(self.dynamic_residency))

@@ -48,6 +48,7 @@ class PagedHiSparseState(HiSparseState):
 
     device_page_table: jax.Array  # i32[R, Q]: device pool page of each page of a slot's rows, -1 none
     resident: jax.Array  # bool[R]: the slot's whole context is in the pool (no plan, no copy)
+    reads_misses_in_attention_ok = False  # miss_read "attention" is for the static buffer only (for now)
 
     @property
     def num_requests(self) -> int:

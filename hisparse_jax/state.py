@@ -49,6 +49,7 @@ from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.row_layout import KVRowLayout
 from pallas_kernels.row_copy import copy_host_rows_to_buffer, gather_host_rows, write_all_layer_rows_to_host, write_rows_to_host
 from pallas_kernels.side_stream_gather import PendingGather
+from pallas_kernels.sparse_mla_attention import sparse_mla_attention, sparse_mla_attention_reading_host
 from pallas_kernels.swap_in import SCRATCH_EMPTY  # the swap-in kernel owns its scratch's sentinel
 from pallas_kernels.swap_in import SwapInPlan, host_slots_of, swap_in_plan
 
@@ -169,9 +170,17 @@ class KVState(Protocol):
         (slots 0 .. b - 1, as in every step method below)."""
         ...
 
-    def swap_in(self, layer, topk, lengths, *, implementation=None) -> tuple["KVState", SwapInPlan]:
+    def swap_in(self, layer, topk, lengths, *, implementation=None, defer_copy=False) -> tuple["KVState", SwapInPlan]:
         """Makes the rows topk i32[R, K] selects readable in device_rows: returns the state and the
-        plan, whose slots i32[R, K] index device_rows. lengths i32[R]: tokens stored with the newest."""
+        plan, whose slots i32[R, K] index device_rows. lengths i32[R]: tokens stored with the newest.
+        defer_copy: the caller attends with attend(..., topk=topk) next, which may read the
+        misses from the host itself (miss_read "attention"); then they are not copied here."""
+        ...
+
+    def attend(self, layer, query, plan: SwapInPlan, topk=None, *, latent_dim, sm_scale, implementation=None) -> tuple["KVState", jax.Array]:
+        """Sparse MLA attention of query [b, H, D + rope] over the plan's slots -> (state,
+        f32[b, H, D]). topk: the plan's i32[b, K] selection when swap_in ran with defer_copy
+        (the misses are read here), None when every row is in place."""
         ...
 
     def replay_swap_in(self, layer, plan: SwapInPlan, *, implementation=None) -> "KVState":
@@ -240,6 +249,10 @@ class HiSparseState:
     page_size: int = _field(static=True)  # tokens per host page
     copy_rows_per_program: int = _field(static=True)  # swap-in copy launch shape (HiSparseConfig)
     layout: KVRowLayout = _field(static=True)  # how the rows of device_buffer and host_pool are stored
+    # HiSparseConfig.miss_read: "copy" (a copy kernel before attention) or "attention" (the
+    # attention kernel reads a decode step's misses from the pool itself; attention_layer only)
+    miss_read: str = dataclasses.field(default="copy", kw_only=True, metadata=dict(static=True))
+    reads_misses_in_attention_ok = True  # class constant: the static buffer's slots are rows
 
     @property
     def device_rows(self) -> jax.Array:
@@ -337,7 +350,14 @@ class HiSparseState:
             page_size=page_size,
             copy_rows_per_program=config.copy_rows_per_program,
             layout=layout,
+            miss_read=cls._checked_miss_read(config.miss_read),
         )
+
+    @classmethod
+    def _checked_miss_read(cls, miss_read: str) -> str:
+        if miss_read == "attention" and not cls.reads_misses_in_attention_ok:
+            raise ValueError(f"miss_read 'attention' is not available for {cls.__name__}: use 'copy'")
+        return miss_read
 
     @classmethod
     def _device_arrays(cls, place, L, R, B, W, max_context, page_size, layout, fill_value, speculative_slots=0) -> dict:
@@ -447,9 +467,10 @@ class HiSparseState:
         buffer_tokens = self.buffer_tokens.at[layer, requests, jnp.where(fast, positions, B)].set(positions, mode="drop")
         return self.replace(device_buffer=device_buffer, buffer_tokens=buffer_tokens)
 
-    def swap_in(self, layer, topk, lengths, *, implementation=None) -> tuple["HiSparseState", SwapInPlan]:
+    def swap_in(self, layer, topk, lengths, *, implementation=None, defer_copy=False) -> tuple["HiSparseState", SwapInPlan]:
         """Plans the swap-in of topk i32[b, K] (updating buffer_tokens, lru_slots) and copies the
-        misses host -> device. lengths i32[b]: tokens stored including the newest, 0 inactive."""
+        misses host -> device, unless defer_copy and miss_read "attention": then attend(...,
+        topk) reads them. lengths i32[b]: tokens stored including the newest, 0 inactive."""
         # A batch b smaller than R plans slots 0 .. b - 1 on the whole tables (the plan kernel
         # indexes them by request): no per-layer slices copied out and back.
         plan, buffer_tokens, lru_slots, scratch = swap_in_plan(
@@ -464,8 +485,37 @@ class HiSparseState:
             implementation=implementation,
         )
         plan = self._plan_in_device_rows(plan)
-        state = self.replay_swap_in(layer, plan, implementation=implementation)
+        deferred = defer_copy and self.miss_read == "attention"
+        state = self if deferred else self.replay_swap_in(layer, plan, implementation=implementation)
         return state.replace(buffer_tokens=buffer_tokens, lru_slots=lru_slots, swap_in_scratch=scratch), plan
+
+    def attend(self, layer, query, plan: SwapInPlan, topk=None, *, latent_dim, sm_scale, implementation=None) -> tuple["HiSparseState", jax.Array]:
+        """Attention over the plan's slots; with topk (swap_in deferred its copy, miss_read
+        "attention") the kernel reads the misses from the pool and places them in their slots."""
+        if topk is None or self.miss_read != "attention":
+            return self, sparse_mla_attention(
+                query, self.device_rows, layer, plan.slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=self.layout,
+                implementation=implementation,
+            )
+        out, device_buffer = sparse_mla_attention_reading_host(
+            query, self.device_buffer, layer, plan.slots, self._entry_host_slots(plan, topk), self.host_pool,
+            latent_dim=latent_dim, sm_scale=sm_scale, layout=self.layout, implementation=implementation,
+        )
+        # As in replay_swap_in: every later in-place write of the pool waits for this read.
+        device_buffer, host_pool = jax.lax.optimization_barrier((device_buffer, self.host_pool))
+        return self.replace(device_buffer=device_buffer, host_pool=host_pool), out
+
+    def _entry_host_slots(self, plan: SwapInPlan, topk) -> jax.Array:
+        """i32[b, K]: the host slot of every top-k entry whose row this step's misses bring in (a
+        miss, or a repeat of one: its slot is a miss's destination), -1 for the others."""
+        b, K = plan.slots.shape
+        rows = self.device_buffer.shape[2]
+        requests = jnp.arange(b)[:, None]  # i32[b, 1]
+        take = jnp.arange(K)[None, :] < plan.num_misses[:, None]  # bool[b, K]
+        filled = jnp.zeros((b, rows), jnp.bool_).at[requests, jnp.where(take, plan.miss_device_slots, rows)].set(True, mode="drop")
+        missed = (plan.slots >= 0) & filled[requests, jnp.maximum(plan.slots, 0)]  # bool[b, K]
+        host = jax.vmap(host_slots_of, in_axes=(0, 0, None))(self.host_page_table[:b], jnp.maximum(topk, 0), self.page_size)
+        return jnp.where(missed, host, -1)
 
     def _planned_lengths(self, lengths) -> jax.Array:
         """i32[b]: the lengths the plan sees (a subclass may plan some requests as inactive)."""
@@ -711,7 +761,7 @@ class FullKVState:
         )
         return self.replace(kv=kv)
 
-    def swap_in(self, layer, topk, lengths, *, implementation=None) -> tuple["FullKVState", SwapInPlan]:
+    def swap_in(self, layer, topk, lengths, *, implementation=None, defer_copy=False) -> tuple["FullKVState", SwapInPlan]:
         """Nothing to move: each selected position is its own slot, a hit; no misses."""
         plan = SwapInPlan(
             slots=topk,
@@ -725,6 +775,13 @@ class FullKVState:
     def replay_swap_in(self, layer, plan: SwapInPlan, *, implementation=None) -> "FullKVState":
         """Nothing to copy: every row is already on the device."""
         return self
+
+    def attend(self, layer, query, plan: SwapInPlan, topk=None, *, latent_dim, sm_scale, implementation=None) -> tuple["FullKVState", jax.Array]:
+        """Attention over the selected positions of the on-device KV (nothing to read from a host)."""
+        return self, sparse_mla_attention(
+            query, self.device_rows, layer, plan.slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=self.layout,
+            implementation=implementation,
+        )
 
     def backup_newest(self, layer, new_row, positions, *, implementation=None) -> "FullKVState":
         """Nothing to back up: write_newest stored the row where it stays."""

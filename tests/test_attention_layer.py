@@ -27,6 +27,7 @@ from hisparse_jax.row_layout import KVRowLayout
 from hisparse_jax.state import FullKVState, HiSparseState, jit_donating_state
 from pallas_kernels.sparse_mla_attention import default_num_splits, sparse_mla_attention
 from pallas_kernels.common import interpret_mode
+from pallas_kernels.sparse_mla_attention import pallas_triton
 from pallas_kernels.sparse_mla_attention.pallas_triton import FP8_FORMS, plane_permutation
 from pallas_kernels.swap_in import SwapInPlan
 
@@ -35,9 +36,9 @@ K, B, C, PAGE = 8, 16, 128, 8
 SCALE = 0.125
 
 
-def make_states(dtype, layout_kind):
+def make_states(dtype, layout_kind, miss_read="copy"):
     layout = KVRowLayout(LATENT, ROPE, layout_kind)
-    config = HiSparseConfig(top_k=K, device_buffer_size=B, host_to_device_ratio=8)
+    config = HiSparseConfig(top_k=K, device_buffer_size=B, host_to_device_ratio=8, miss_read=miss_read)
     hisparse = HiSparseState.create(
         num_layers=L, num_requests=R, max_context=C, config=config, layout=layout,
         num_host_pages=R * C // PAGE + 3, page_size=PAGE, fill_value=jnp.nan,
@@ -110,14 +111,16 @@ def decode_step_fn(implementation, shared_second_layer=False, *, prefetch=None, 
     return step
 
 
-def run_decode(implementation, dtype, layout_kind, *, steps, prompt_lens, select, shared_second_layer=False, seed=0, **step_options):
+def run_decode(
+    implementation, dtype, layout_kind, *, steps, prompt_lens, select, shared_second_layer=False, seed=0, miss_read="copy", **step_options
+):
     """Runs both memory modes over the same rows and selections; returns outputs and counters."""
     rng = np.random.default_rng(seed)
     total = max(prompt_lens) + steps
     rows = rng.standard_normal((L, R, total, LATENT + ROPE)).astype(np.float32)
     rows = np.asarray(jnp.asarray(rows, dtype).astype(jnp.float32))  # representable in the row dtype
     queries = rng.standard_normal((steps, L, R, H, LATENT + ROPE)).astype(np.float32)
-    hisparse, full = make_states(dtype, layout_kind)
+    hisparse, full = make_states(dtype, layout_kind, miss_read)
     pages_per_request = C // PAGE
     hisparse = prefill(hisparse, rows, prompt_lens, pages_per_request, implementation)
     full = prefill(full, rows, prompt_lens, pages_per_request, implementation)
@@ -203,6 +206,46 @@ def test_hisparse_equals_no_offload_over_many_steps(implementation, layout_kind)
         total_misses += misses.sum()
     assert total_misses > 0, "the test never exercised a miss"
     np.testing.assert_array_equal(np.asarray(state.seq_lens), np.array(prompt_lens) + 40)
+
+
+@pytest.mark.parametrize(
+    "implementation, layout_kind, step_options",
+    [("reference", "float32", {}), ("pallas", "float32", {}), ("pallas", "fp8_e4m3", {}),
+     ("pallas", "fp8_e4m3", {"deferred_backup": True}), ("pallas", "float32", {"shared_second_layer": True})],
+    ids=["reference-float32", "pallas-float32", "pallas-fp8_e4m3", "pallas-fp8_e4m3-deferred_backup", "pallas-float32-shared"],
+)  # fmt: skip
+def test_misses_read_in_attention_equal_the_copy_and_no_offload(implementation, layout_kind, step_options, monkeypatch):
+    """miss_read "attention": the attention kernel reads each step's misses from the pool and
+    places them. Outputs equal the no-offload run's bit for bit (fp8 rows: both in the kernel's
+    interleave form, the form the host-reading kernel uses), and the device buffer after every
+    step equals the copy mode's: the same rows in the same slots."""
+    monkeypatch.setattr(pallas_triton, "DEFAULT_FP8_FORM", pallas_triton.READING_HOST_FP8_FORM)
+    kw = dict(steps=24, prompt_lens=[3, 12, 60], select=recent_and_random, seed=3, **step_options)
+    read, _, _, read_state = run_decode(implementation, jnp.float32, layout_kind, miss_read="attention", **kw)
+    copied, _, _, copied_state = run_decode(implementation, jnp.float32, layout_kind, miss_read="copy", **kw)
+    assert read_state.miss_read == "attention" and copied_state.miss_read == "copy"
+    total_misses = 0
+    for t, ((out_r, out_f, hits, misses, _, _), (out_c, _, hits_c, _, _, _)) in enumerate(zip(read, copied)):
+        assert np.all(np.isfinite(out_r)), f"step {t}: read an unwritten (NaN) row"
+        np.testing.assert_array_equal(out_r, out_f, err_msg=f"step {t}: miss_read 'attention' != no-offload")
+        np.testing.assert_array_equal(out_r, out_c, err_msg=f"step {t}: miss_read 'attention' != 'copy'")
+        np.testing.assert_array_equal(hits, hits_c)
+        total_misses += misses.sum()
+    assert total_misses > 0, "the test never exercised a miss"
+    for name in ("device_buffer", "buffer_tokens", "lru_slots", "host_pool"):
+        a, b = (np.asarray(getattr(s, name)) for s in (read_state, copied_state))
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=f"{name} differs from the copy mode's")
+
+
+def test_miss_read_attention_is_refused_where_it_does_not_run():
+    from hisparse_jax.config import HiSparseConfigError
+    from hisparse_jax.paged_state import PagedHiSparseState
+
+    with pytest.raises(HiSparseConfigError, match="miss_read must be one of"):
+        HiSparseConfig(miss_read="kernel")
+    config = HiSparseConfig(top_k=K, device_buffer_size=B, miss_read="attention")
+    with pytest.raises(ValueError, match="miss_read 'attention' is not available for PagedHiSparseState"):
+        PagedHiSparseState.create(num_layers=L, num_requests=R, max_context=C, config=config, layout=KVRowLayout(LATENT, ROPE, "float32"), page_size=PAGE)
 
 
 def test_bf16_rows_within_tolerance_of_f32_dense():

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import common
 from pallas_kernels.sparse_mla_attention.base import check_inputs
-from pallas_kernels.sparse_mla_attention.pallas_triton import sparse_mla_attention_pallas
-from pallas_kernels.sparse_mla_attention.reference import sparse_mla_attention_reference
+from pallas_kernels.sparse_mla_attention.pallas_triton import sparse_mla_attention_pallas, sparse_mla_attention_reading_host_pallas
+from pallas_kernels.sparse_mla_attention.reference import sparse_mla_attention_reading_host_reference, sparse_mla_attention_reference
 
 
 def sparse_mla_attention(query, kv, layer, slots, *, latent_dim, sm_scale, layout=None, implementation=None, **tuning):
@@ -59,3 +59,29 @@ def sparse_mla_attention(query, kv, layer, slots, *, latent_dim, sm_scale, layou
             query, kv, jnp.asarray(layer, jnp.int32), slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=layout, **tuning
         )
     return sparse_mla_attention_reference(query, kv, layer, slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=layout)
+
+
+def sparse_mla_attention_reading_host(
+    query, kv, layer, slots, host_slots, pool, *, latent_dim, sm_scale, layout=None, implementation=None, **tuning
+):
+    """sparse_mla_attention that also reads this step's missed rows straight from the pinned host
+    pool -> (f32[R, H, D], kv with those rows written to their slots).
+
+    host_slots: i32[R, K], the pool row (of `layer`) of each entry whose row is not on the device
+    yet (a swap-in miss, or a repeat of one), -1 for the others; slots[r, k] is where that row
+    goes. pool: row[L, S_host, W] (pinned host). The result equals copying the rows to their
+    slots first and then attending (the reference does exactly that); the Pallas kernel reads them
+    over PCIe as it attends, so the copy needs no launch of its own and no wait before attention.
+    Not on TPU (ValueError). Other arguments as sparse_mla_attention's.
+    """
+    implementation = common.resolve_implementation(implementation)
+    if implementation == "tpu":
+        raise ValueError("reading misses from the host inside attention needs the GPU / reference kernels; the TPU kernel has no host reads")
+    layer = jnp.asarray(layer, jnp.int32)
+    if implementation == "pallas":
+        return sparse_mla_attention_reading_host_pallas(
+            query, kv, layer, slots, host_slots, pool, latent_dim=latent_dim, sm_scale=sm_scale, layout=layout, **tuning
+        )
+    return sparse_mla_attention_reading_host_reference(
+        query, kv, layer, slots, host_slots, pool, latent_dim=latent_dim, sm_scale=sm_scale, layout=layout
+    )

@@ -36,5 +36,16 @@ def check_inputs(query, kv, layer, slots, latent_dim, layout=None) -> None:
     check_layer_index(layer, kv.shape[0])
 
 
+def check_host_inputs(kv, slots, host_slots, pool) -> None:
+    """Static checks of the misses read from the host pool: host_slots i32[R, K] like slots, pool
+    row[L, S_host, W] with kv's layers, row width and dtype."""
+    check_rank("host_slots", host_slots, 2, "[R, K]")
+    check_equal("host_slots shape", tuple(host_slots.shape), "slots shape", tuple(slots.shape))
+    check_rank("pool", pool, 3, "[L, S_host, W]")
+    check_equal("pool layers", pool.shape[0], "kv layers (L)", kv.shape[0])
+    check_equal("pool row width", pool.shape[2], "kv row width (W)", kv.shape[3])
+    check_equal("pool dtype", jnp.dtype(pool.dtype).name, "kv dtype", jnp.dtype(kv.dtype).name)
+
+
 def is_quantized(layout) -> bool:
     return layout is not None and layout.quantized

@@ -11,7 +11,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
-from pallas_kernels.sparse_mla_attention.base import MASKED, check_inputs, is_quantized
+from pallas_kernels.sparse_mla_attention.base import MASKED, check_host_inputs, check_inputs, is_quantized
 
 _RUNNING_MAX_START = -1e30  # finite, so a fully masked block gives exp(-inf) = 0, not NaN
 
@@ -32,22 +32,78 @@ def _online_softmax(running_max, total, scores, valid):
     return new_max, total * rescale + jnp.sum(weights, axis=1), rescale, weights
 
 
+class _RowReader:
+    """Reads blocks of the selected rows of one key block: from the device rows kv (kv_ref), or,
+    for entries with a host slot (reads_host: the misses of this step's swap-in), from the
+    pinned host pool over PCIe, writing those rows into their device slots as it goes (head
+    block 0 only: one writer per entry) so that later steps hit them. Masked-off lanes read 0."""
+
+    def __init__(self, kv_ref, host_refs, kv_out_ref, layer, r, head_block, slot, valid, k, K, interpret):
+        # slot, valid, k: i32[block_k], bool[block_k], i32[block_k] (this key block's entries)
+        self.kv_ref, self.kv_out_ref, self.interpret = kv_ref, kv_out_ref, interpret
+        self.row = (layer, common.request_row(r, kv_ref))
+        self.slot = common.safe_index(slot, valid, kv_ref.shape[2])
+        self.on_device = valid
+        self.host_ref = None
+        if host_refs is not None:
+            host_slots_ref, pool_ref = host_refs
+            host_slot = common.gather(host_slots_ref, (r, common.safe_index(k, k < K, K)), valid, -1)  # i32[block_k]
+            self.from_host = valid & (host_slot >= 0)
+            self.on_device = valid & (host_slot < 0)
+            self.writes = self.from_host & (head_block == 0)
+            self.host_ref, self.layer = pool_ref, layer
+            self.host_slot = common.safe_index(host_slot, self.from_host, pool_ref.shape[1])
+
+    def block(self, start: int, size: int):
+        """row[block_k, size]: words / values start .. start + size - 1 of each selected row."""
+        n = self.slot.shape[0]
+        index = common.row_block(self.row, self.slot, start, size, self.interpret)
+        values = common.gather(self.kv_ref, index, jnp.broadcast_to(self.on_device[:, None], (n, size)), 0)
+        if self.host_ref is None:
+            return values
+        host_index = common.row_block((self.layer,), self.host_slot, start, size, self.interpret)
+        host = common.gather(self.host_ref, host_index, jnp.broadcast_to(self.from_host[:, None], (n, size)), 0)
+        common.scatter(self.kv_out_ref, index, host, jnp.broadcast_to(self.writes[:, None], (n, size)))
+        return jnp.where(self.from_host[:, None], host, values)
+
+    def column(self, word: int):
+        """row[block_k]: word `word` of each selected row (read, and written, as a block above)."""
+        values = common.gather(self.kv_ref, (*self.row, self.slot, word), self.on_device, 0)
+        if self.host_ref is None:
+            return values
+        host = common.gather(self.host_ref, (self.layer, self.host_slot, word), self.from_host, 0)
+        common.scatter(self.kv_out_ref, (*self.row, self.slot, word), host, self.writes)
+        return jnp.where(self.from_host, host, values)
+
+
+def _split_refs(refs, reads_host: bool):
+    """(host refs (host_slots_ref, pool_ref) or None, output refs, kv output ref or None)."""
+    if not reads_host:
+        return None, refs, None
+    host_slots_ref, pool_ref, *out_refs = refs
+    return (host_slots_ref, pool_ref), out_refs[:-1], out_refs[-1]
+
+
 def _attention_kernel(
     layer_ref,  # i32[1]
     query_ref,  # [R, H, W]
     slots_ref,  # i32[R, K]
     kv_ref,  # row[L, R, S, W]
-    *out_refs,  # f32[R, H, D]; split-K: f32[N, R, H, D] partial sums, f32[N, R, H] maxima and totals
+    *refs,  # reads_host: i32[R, K] host slots, row[L, S_host, W] pinned pool; then the outputs:
+    #         f32[R, H, D]; split-K: f32[N, R, H, D] partial sums, f32[N, R, H] maxima and totals;
+    #         reads_host: row[L, R, S, W] kv again (aliased: the misses written to their slots)
     latent_dim: int,
     sm_scale: float,
     block_h: int,
     block_k: int,
     num_splits: int,
     interpret: bool,
+    reads_host: bool = False,
 ):
+    host_refs, out_refs, kv_out_ref = _split_refs(refs, reads_host)
     r, head_block = pl.program_id(0), pl.program_id(1)
     H, W = query_ref.shape[1], query_ref.shape[2]
-    K, S = slots_ref.shape[1], kv_ref.shape[2]
+    K = slots_ref.shape[1]
     layer = layer_ref[0]
     precision = _dot_precision(kv_ref.dtype)
     safe_heads, head_ok = common.head_block(head_block * block_h, block_h, H)
@@ -62,13 +118,8 @@ def _attention_kernel(
         k = step * block_k + jnp.arange(block_k, dtype=jnp.int32)
         slot = common.gather(slots_ref, (r, common.safe_index(k, k < K, K)), k < K, -1)
         valid = slot >= 0
-        safe_slot = common.safe_index(slot, valid, S)
-        keys = [
-            common.gather(
-                kv_ref, common.row_block((layer, common.request_row(r, kv_ref)), safe_slot, o, s, interpret), jnp.broadcast_to(valid[:, None], (block_k, s)), 0
-            )
-            for o, s in key_pieces
-        ]  # row[block_k, s] each
+        rows = _RowReader(kv_ref, host_refs, kv_out_ref, layer, r, head_block, slot, valid, k, K, interpret)
+        keys = [rows.block(o, s) for o, s in key_pieces]  # row[block_k, s] each
         scores = sum(
             jax.lax.dot_general(q, kk, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
             for q, kk in zip(queries, keys)
@@ -143,7 +194,7 @@ def _fp8_attention_kernel(
     query_ref,  # [R, H, D + rope]
     slots_ref,  # i32[R, K]
     kv_ref,  # u32[L, R, S, W]: packed fp8 rows
-    *out_refs,  # as _attention_kernel's
+    *refs,  # as _attention_kernel's
     latent_dim: int,
     group_size: int,
     rope_dim: int,
@@ -153,9 +204,11 @@ def _fp8_attention_kernel(
     compute_dtype,
     num_splits: int,
     interpret: bool,
+    reads_host: bool = False,
 ):
+    host_refs, out_refs, kv_out_ref = _split_refs(refs, reads_host)
     r, head_block = pl.program_id(0), pl.program_id(1)
-    H, K, S = query_ref.shape[1], slots_ref.shape[1], kv_ref.shape[2]
+    H, K = query_ref.shape[1], slots_ref.shape[1]
     D, G = latent_dim, group_size
     num_groups = D // G
     scale_word, rope_word = D // 4, D // 4 + num_groups  # first scale word, first rope word
@@ -181,24 +234,20 @@ def _fp8_attention_kernel(
         k = step * block_k + jnp.arange(block_k, dtype=jnp.int32)
         slot = common.gather(slots_ref, (r, common.safe_index(k, k < K, K)), k < K, -1)
         valid = slot >= 0
-        safe_slot = common.safe_index(slot, valid, S)
-
-        def load_words(word, n):  # u32[block_k, n]: words word .. word + n - 1 of the selected rows (0 if masked)
-            block = common.row_block((layer, common.request_row(r, kv_ref)), safe_slot, word, n, interpret)
-            return common.gather(kv_ref, block, jnp.broadcast_to(valid[:, None], (block_k, n)), 0)
+        rows = _RowReader(kv_ref, host_refs, kv_out_ref, layer, r, head_block, slot, valid, k, K, interpret)
 
         # Dequantise: fp8 bytes back in latent order (joined as bytes: the cheapest layout
         # change), times their group's scale in f32, then the matmul dtype. A masked entry reads
-        # zero words: zero values, zero scale.
-        words = load_words(0, D // 4)
+        # zero words: zero values, zero scale. The three reads cover the whole stored row.
+        words = rows.block(0, D // 4)  # u32[block_k, D / 4]
         latent = _interleave4(*(byte_of(words, j) for j in range(4)))  # u8[block_k, D], latent order
         latent = jax.lax.bitcast_convert_type(latent, jnp.float8_e4m3fn).astype(jnp.float32)
         scale = 0.0
         for g in range(num_groups):  # f32[block_k, D]: each column's group scale, by selects (no reshape)
-            word = common.gather(kv_ref, (layer, common.request_row(r, kv_ref), safe_slot, scale_word + g), valid, 0)  # u32[block_k]
+            word = rows.column(scale_word + g)  # u32[block_k]
             scale = jnp.where(column // G == g, jax.lax.bitcast_convert_type(word, jnp.float32)[:, None], scale)
         keys = (latent * scale).astype(compute_dtype)  # [block_k, D]
-        words = load_words(rope_word, rope_dim // 2)
+        words = rows.block(rope_word, rope_dim // 2)
         halves = [((words >> (16 * j)) & 0xFFFF).astype(jnp.uint16) for j in range(2)]  # joined as u16, then bf16
         rope = jnp.stack(halves, axis=-1).reshape(block_k, rope_dim)  # u16[block_k, rope], rope order
         rope = jax.lax.bitcast_convert_type(rope, jnp.bfloat16).astype(compute_dtype)
@@ -223,7 +272,7 @@ def _fp8_planes_kernel(
     query_ref,  # [R, H, D + rope], columns in plane order (plane_permutation)
     slots_ref,  # i32[R, K]
     kv_ref,  # u32[L, R, S, W]: packed fp8 rows
-    *out_refs,  # as _attention_kernel's, latent columns in plane order
+    *refs,  # as _attention_kernel's, latent columns in plane order
     latent_dim: int,
     group_size: int,
     rope_dim: int,
@@ -233,14 +282,16 @@ def _fp8_planes_kernel(
     compute_dtype,
     num_splits: int,
     interpret: bool,
+    reads_host: bool = False,
 ):
     """fp8 rows without putting bytes back in latent order: byte j of every word is a plane of
     the latent (columns 4w + j), and the query and output columns are permuted to match
     (plane_permutation), so each plane goes to the matmuls as it is, scaled by selects on its
     columns' groups. (One plane per group and byte, 34 dots per key block, measured slower
     everywhere on the H200: docs/PERFORMANCE.md, 2026-12-03.)"""
+    host_refs, out_refs, kv_out_ref = _split_refs(refs, reads_host)
     r, head_block = pl.program_id(0), pl.program_id(1)
-    H, K, S = query_ref.shape[1], slots_ref.shape[1], kv_ref.shape[2]
+    H, K = query_ref.shape[1], slots_ref.shape[1]
     D, G = latent_dim, group_size
     num_groups, words_per_group, rope_words = D // G, G // 4, rope_dim // 2
     scale_word, rope_word = D // 4, D // 4 + num_groups  # first scale word, first rope word
@@ -264,15 +315,11 @@ def _fp8_planes_kernel(
         k = step * block_k + jnp.arange(block_k, dtype=jnp.int32)
         slot = common.gather(slots_ref, (r, common.safe_index(k, k < K, K)), k < K, -1)
         valid = slot >= 0
-        safe_slot = common.safe_index(slot, valid, S)
-        row = (layer, common.request_row(r, kv_ref))
-
-        def load_words(word, n):  # u32[block_k, n]: words word .. word + n - 1 of the selected rows (0 if masked)
-            return common.gather(kv_ref, common.row_block(row, safe_slot, word, n, interpret), jnp.broadcast_to(valid[:, None], (block_k, n)), 0)
+        rows = _RowReader(kv_ref, host_refs, kv_out_ref, layer, r, head_block, slot, valid, k, K, interpret)
 
         # f32[block_k] per group: a masked entry reads a zero word, so zero values.
-        scales = [jax.lax.bitcast_convert_type(common.gather(kv_ref, (*row, safe_slot, scale_word + g), valid, 0), jnp.float32) for g in range(num_groups)]
-        words = load_words(0, D // 4)  # u32[block_k, D / 4]
+        scales = [jax.lax.bitcast_convert_type(rows.column(scale_word + g), jnp.float32) for g in range(num_groups)]
+        words = rows.block(0, D // 4)  # u32[block_k, D / 4]
         group = jnp.arange(D // 4, dtype=jnp.int32)[None, :] // words_per_group  # plane column w is latent 4w + j: group w // (G / 4)
         scale = 0.0
         for g in range(num_groups):  # f32[block_k, D / 4]: each plane column's group scale
@@ -281,7 +328,7 @@ def _fp8_planes_kernel(
         for j in range(4):
             plane = jax.lax.bitcast_convert_type(((words >> (8 * j)) & 0xFF).astype(jnp.uint8), jnp.float8_e4m3fn)
             keys.append((plane.astype(jnp.float32) * scale).astype(compute_dtype))  # [block_k, D / 4]: latent 4w + j
-        words = load_words(rope_word, rope_words)
+        words = rows.block(rope_word, rope_words)
         ropes = [
             jax.lax.bitcast_convert_type(((words >> (16 * j)) & 0xFFFF).astype(jnp.uint16), jnp.bfloat16).astype(compute_dtype) for j in range(2)
         ]  # [block_k, rope / 2] each: rope columns 2w + j
@@ -385,6 +432,46 @@ def sparse_mla_attention_pallas(
     precision for an f32 query), as plain rows' run in the row dtype. fp8_form (fp8 rows; default
     DEFAULT_FP8_FORM): how the kernel reads the packed bytes, one of FP8_FORMS (see
     _fp8_planes_kernel and plane_permutation)."""
+    return _attention_pallas(
+        query, kv, layer, slots, None, latent_dim=latent_dim, sm_scale=sm_scale, layout=layout, block_h=block_h, block_k=block_k,
+        num_warps=num_warps, num_stages=num_stages, num_splits=num_splits, fp8_form=fp8_form,
+    )
+
+
+# The form fp8 rows are read in when the kernel also reads misses from the host: one of the
+# kernel's own forms (dequantize_first gathers every row in XLA first, which cannot read the pool).
+READING_HOST_FP8_FORM = "interleave"
+
+
+def sparse_mla_attention_reading_host_pallas(
+    query, kv, layer, slots, host_slots, pool, *, latent_dim, sm_scale, layout=None, fp8_form=None, **launch
+):
+    """The Pallas kernel reading this step's misses straight from the pinned pool -> (f32[R, H, D], kv).
+
+    host_slots i32[R, K]: the pool row (of `layer`) of each entry to read from the host, -1 for
+    entries already on the device; pool row[L, S_host, W] in pinned host memory. Each such entry's
+    row is read over PCIe by the programs that attend over it and written into its device slot
+    (slots[r, k]) of kv by head block 0, in place: kv comes back with the misses placed, as the
+    swap-in copy would have left it, and the output equals sparse_mla_attention_pallas over that
+    kv bit for bit. Not lower_once: the pool's memory kind is the outer jit's to keep (row_copy).
+    fp8 rows are read in READING_HOST_FP8_FORM (or the fp8_form given; not dequantize_first)."""
+    check_inputs(query, kv, layer, slots, latent_dim, layout)
+    check_host_inputs(kv, slots, host_slots, pool)
+    fp8_form = fp8_form or READING_HOST_FP8_FORM
+    if is_quantized(layout) and fp8_form not in ("interleave", "planes"):
+        raise ValueError(f"reading misses from the host needs fp8_form 'interleave' or 'planes' (the kernel's own reads), got {fp8_form!r}")
+    return _attention_pallas(
+        query, kv, jnp.asarray(layer, jnp.int32), slots, (host_slots.astype(jnp.int32), pool), latent_dim=latent_dim, sm_scale=sm_scale,
+        layout=layout, fp8_form=fp8_form, **launch,
+    )
+
+
+def _attention_pallas(
+    query, kv, layer, slots, host, *, latent_dim, sm_scale, layout=None, block_h=None, block_k=None, num_warps=None, num_stages=None,
+    num_splits=None, fp8_form=None,
+):
+    """The launch behind both entries; host: None, or (host_slots i32[R, K], pool row[L, S_host,
+    W]) -> (out, kv) with the misses read from the pool and placed in kv."""
     check_inputs(query, kv, layer, slots, latent_dim, layout)
     fp8_form = fp8_form or DEFAULT_FP8_FORM
     if is_quantized(layout) and fp8_form == "dequantize_first":
@@ -449,20 +536,29 @@ def sparse_mla_attention_pallas(
     if num_splits > 1:
         out_shape = [jax.ShapeDtypeStruct((num_splits, R, H, latent_dim), f32)] + [jax.ShapeDtypeStruct((num_splits, R, H), f32)] * 2
     grid = (R, pl.cdiv(H, block_h)) + ((num_splits,) if num_splits > 1 else ())
-    out = pl.pallas_call(
+    operands = [jnp.reshape(layer, (1,)).astype(jnp.int32), query, slots, kv]
+    aliases = {}
+    if host is not None:  # the misses' host slots and the pool; kv comes back as the last output
+        kernel = functools.partial(kernel, reads_host=True)
+        operands += list(host)
+        aliases = {3: len(out_shape)}
+        out_shape = out_shape + [jax.ShapeDtypeStruct(kv.shape, kv.dtype)]
+    outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid,
-        in_specs=[common.any_spec()] * 4,
+        in_specs=[common.any_spec()] * len(operands),
         out_specs=[common.any_spec()] * len(out_shape),
+        input_output_aliases=aliases,
         compiler_params=common.triton_params(num_warps=num_warps, num_stages=num_stages),
         interpret=common.interpret_mode(),
-        name="hisparse_sparse_mla_attention",
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), query, slots, kv)
+        name="hisparse_sparse_mla_attention" if host is None else "hisparse_sparse_mla_attention_reading_host",
+    )(*operands)
+    out = outs[:3] if num_splits > 1 else outs[:1]
     out = out[0] if num_splits == 1 else combine_splits(*out)  # f32[R, H, D]
     if permutation is not None:  # the kernel wrote latent columns in plane order
         out = out[..., np.argsort(permutation[:latent_dim])]
-    return out
+    return out if host is None else (out, outs[-1])
 
 
 def _dequantize_then_attend(query, kv, layer, slots, *, latent_dim, sm_scale, layout, **launch):

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
-from pallas_kernels.sparse_mla_attention.base import MASKED, check_inputs, is_quantized
+from pallas_kernels.sparse_mla_attention.base import MASKED, check_host_inputs, check_inputs, is_quantized
 
 
 def sparse_mla_attention_reference(query, kv, layer, slots, *, latent_dim, sm_scale, layout=None):
@@ -29,3 +29,17 @@ def sparse_mla_attention_reference(query, kv, layer, slots, *, latent_dim, sm_sc
     total = jnp.sum(weights, axis=-1, keepdims=True)
     out = jnp.einsum("rhk,rkd->rhd", weights, rows[..., :latent_dim], precision=jax.lax.Precision.HIGHEST)
     return jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
+
+
+def sparse_mla_attention_reading_host_reference(query, kv, layer, slots, host_slots, pool, *, latent_dim, sm_scale, layout=None):
+    """The contract of reading misses from the host, in jnp: place every entry's pool row
+    (host_slots i32[R, K] >= 0) into its slot of kv, then attend -> (f32[R, H, D], kv). The pool
+    (row[L, S_host, W], pinned host) is staged on the device first, as row_copy's reference does."""
+    check_inputs(query, kv, layer, slots, latent_dim, layout)
+    check_host_inputs(kv, slots, host_slots, pool)
+    R = slots.shape[0]
+    from_host = (slots >= 0) & (host_slots >= 0)  # bool[R, K]
+    rows = jax.device_put(pool, jax.memory.Space.Device)[layer][jnp.where(from_host, host_slots, 0)]  # row[R, K, W]
+    requests = common.request_row(jnp.broadcast_to(jnp.arange(R)[:, None], slots.shape), kv)  # i32[R, K]
+    kv = kv.at[layer, requests, jnp.where(from_host, slots, kv.shape[2])].set(rows, mode="drop")
+    return sparse_mla_attention_reference(query, kv, layer, slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=layout), kv
