@@ -35,8 +35,12 @@ def _online_softmax(running_max, total, scores, valid):
 class _RowReader:
     """Reads blocks of the selected rows of one key block: from the device rows kv (kv_ref), or,
     for entries with a host slot (reads_host: the misses of this step's swap-in), from the
-    pinned host pool over PCIe, writing those rows into their device slots as it goes (head
-    block 0 only: one writer per entry) so that later steps hit them. Masked-off lanes read 0."""
+    pinned host pool over PCIe. write_back() then stores those rows in their device slots (head
+    block 0 only: one writer per entry) so that later steps hit them. Masked-off lanes read 0.
+
+    Every read of a key block is issued before any store: the compiler cannot tell kv_out from
+    the pool, so a load placed after a store waits for the store, and the store for its own
+    load; stored as they came, the pieces of a row would cost one PCIe round trip each."""
 
     def __init__(self, kv_ref, host_refs, kv_out_ref, layer, r, head_block, slot, valid, k, K, interpret):
         # slot, valid, k: i32[block_k], bool[block_k], i32[block_k] (this key block's entries)
@@ -53,6 +57,7 @@ class _RowReader:
             self.writes = self.from_host & (head_block == 0)
             self.host_ref, self.layer = pool_ref, layer
             self.host_slot = common.safe_index(host_slot, self.from_host, pool_ref.shape[1])
+        self.pending = []  # (kv index, host values, mask): the stores write_back issues
 
     def block(self, start: int, size: int):
         """row[block_k, size]: words / values start .. start + size - 1 of each selected row."""
@@ -63,7 +68,7 @@ class _RowReader:
             return values
         host_index = common.row_block((self.layer,), self.host_slot, start, size, self.interpret)
         host = common.gather(self.host_ref, host_index, jnp.broadcast_to(self.from_host[:, None], (n, size)), 0)
-        common.scatter(self.kv_out_ref, index, host, jnp.broadcast_to(self.writes[:, None], (n, size)))
+        self.pending.append((index, host, jnp.broadcast_to(self.writes[:, None], (n, size))))
         return jnp.where(self.from_host[:, None], host, values)
 
     def column(self, word: int):
@@ -72,8 +77,14 @@ class _RowReader:
         if self.host_ref is None:
             return values
         host = common.gather(self.host_ref, (self.layer, self.host_slot, word), self.from_host, 0)
-        common.scatter(self.kv_out_ref, (*self.row, self.slot, word), host, self.writes)
+        self.pending.append(((*self.row, self.slot, word), host, self.writes))
         return jnp.where(self.from_host, host, values)
+
+    def write_back(self) -> None:
+        """Stores the rows read from the host in their device slots (call after every read)."""
+        for index, values, mask in self.pending:
+            common.scatter(self.kv_out_ref, index, values, mask)
+        self.pending = []
 
 
 def _split_refs(refs, reads_host: bool):
@@ -125,6 +136,7 @@ def _attention_kernel(
             for q, kk in zip(queries, keys)
         ) * sm_scale  # f32[block_h, block_k]
         new_max, total, rescale, weights = _online_softmax(running_max, total, scores, valid)
+        rows.write_back()  # after every read of the block: see _RowReader
         accs = [
             acc * rescale[:, None]
             + jax.lax.dot(weights.astype(kv_ref.dtype), v, precision=precision, preferred_element_type=jnp.float32)
@@ -253,6 +265,7 @@ def _fp8_attention_kernel(
         rope = jax.lax.bitcast_convert_type(rope, jnp.bfloat16).astype(compute_dtype)
         scores = (dot_t(q_latent, keys) + dot_t(q_rope, rope)) * sm_scale  # f32[block_h, block_k]
         new_max, total, rescale, weights = _online_softmax(running_max, total, scores, valid)
+        rows.write_back()  # after every read of the block: see _RowReader
         acc = acc * rescale[:, None] + jax.lax.dot(
             weights.astype(compute_dtype), keys, precision=precision, preferred_element_type=jnp.float32
         )
@@ -334,6 +347,7 @@ def _fp8_planes_kernel(
         ]  # [block_k, rope / 2] each: rope columns 2w + j
         scores = sum(dot_t(q, kk) for q, kk in zip(queries + rope_queries, keys + ropes)) * sm_scale  # f32[block_h, block_k]
         new_max, total, rescale, weights = _online_softmax(running_max, total, scores, valid)
+        rows.write_back()  # after every read of the block: see _RowReader
         weights = weights.astype(compute_dtype)
         accs = [
             acc * rescale[:, None] + jax.lax.dot(weights, v, precision=precision, preferred_element_type=jnp.float32) for acc, v in zip(accs, keys)
