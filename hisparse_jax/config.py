@@ -156,6 +156,7 @@ class HiSparseConfig:
       attends, and writes them to their slots: no copy launch, no wait before attention, the
       same result bit for bit (docs/architecture.md, "Reading misses in attention"). Decode
       layers with their own indexer only; the paged pool (dynamic_residency) takes "copy".
+      Opt-in: on the H200 it is no faster at 64 heads and slower at 128 (docs/PERFORMANCE.md).
     """
 
     top_k: int = _DEFAULT_TOP_K

@@ -81,7 +81,8 @@ class _RowReader:
         return jnp.where(self.from_host, host, values)
 
     def write_back(self) -> None:
-        """Stores the rows read from the host in their device slots (call after every read)."""
+        """Stores the rows read from the host in their device slots: call once every read of the
+        block is issued, before the block's compute, so the host values need no registers past it."""
         for index, values, mask in self.pending:
             common.scatter(self.kv_out_ref, index, values, mask)
         self.pending = []
@@ -131,12 +132,12 @@ def _attention_kernel(
         valid = slot >= 0
         rows = _RowReader(kv_ref, host_refs, kv_out_ref, layer, r, head_block, slot, valid, k, K, interpret)
         keys = [rows.block(o, s) for o, s in key_pieces]  # row[block_k, s] each
+        rows.write_back()  # every read issued: the host rows die here, before the dots (registers)
         scores = sum(
             jax.lax.dot_general(q, kk, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
             for q, kk in zip(queries, keys)
         ) * sm_scale  # f32[block_h, block_k]
         new_max, total, rescale, weights = _online_softmax(running_max, total, scores, valid)
-        rows.write_back()  # after every read of the block: see _RowReader
         accs = [
             acc * rescale[:, None]
             + jax.lax.dot(weights.astype(kv_ref.dtype), v, precision=precision, preferred_element_type=jnp.float32)
@@ -252,20 +253,21 @@ def _fp8_attention_kernel(
         # change), times their group's scale in f32, then the matmul dtype. A masked entry reads
         # zero words: zero values, zero scale. The three reads cover the whole stored row.
         words = rows.block(0, D // 4)  # u32[block_k, D / 4]
+        scale_words = [rows.column(scale_word + g) for g in range(num_groups)]  # u32[block_k] each
+        rope_words = rows.block(rope_word, rope_dim // 2)  # u32[block_k, rope / 2]
+        rows.write_back()  # every read issued: the host rows die here, before the dots (registers)
         latent = _interleave4(*(byte_of(words, j) for j in range(4)))  # u8[block_k, D], latent order
         latent = jax.lax.bitcast_convert_type(latent, jnp.float8_e4m3fn).astype(jnp.float32)
         scale = 0.0
-        for g in range(num_groups):  # f32[block_k, D]: each column's group scale, by selects (no reshape)
-            word = rows.column(scale_word + g)  # u32[block_k]
+        for g, word in enumerate(scale_words):  # f32[block_k, D]: each column's group scale, by selects (no reshape)
             scale = jnp.where(column // G == g, jax.lax.bitcast_convert_type(word, jnp.float32)[:, None], scale)
         keys = (latent * scale).astype(compute_dtype)  # [block_k, D]
-        words = rows.block(rope_word, rope_dim // 2)
+        words = rope_words
         halves = [((words >> (16 * j)) & 0xFFFF).astype(jnp.uint16) for j in range(2)]  # joined as u16, then bf16
         rope = jnp.stack(halves, axis=-1).reshape(block_k, rope_dim)  # u16[block_k, rope], rope order
         rope = jax.lax.bitcast_convert_type(rope, jnp.bfloat16).astype(compute_dtype)
         scores = (dot_t(q_latent, keys) + dot_t(q_rope, rope)) * sm_scale  # f32[block_h, block_k]
         new_max, total, rescale, weights = _online_softmax(running_max, total, scores, valid)
-        rows.write_back()  # after every read of the block: see _RowReader
         acc = acc * rescale[:, None] + jax.lax.dot(
             weights.astype(compute_dtype), keys, precision=precision, preferred_element_type=jnp.float32
         )
@@ -342,12 +344,12 @@ def _fp8_planes_kernel(
             plane = jax.lax.bitcast_convert_type(((words >> (8 * j)) & 0xFF).astype(jnp.uint8), jnp.float8_e4m3fn)
             keys.append((plane.astype(jnp.float32) * scale).astype(compute_dtype))  # [block_k, D / 4]: latent 4w + j
         words = rows.block(rope_word, rope_words)
+        rows.write_back()  # every read issued: the host rows die here, before the dots (registers)
         ropes = [
             jax.lax.bitcast_convert_type(((words >> (16 * j)) & 0xFFFF).astype(jnp.uint16), jnp.bfloat16).astype(compute_dtype) for j in range(2)
         ]  # [block_k, rope / 2] each: rope columns 2w + j
         scores = sum(dot_t(q, kk) for q, kk in zip(queries + rope_queries, keys + ropes)) * sm_scale  # f32[block_h, block_k]
         new_max, total, rescale, weights = _online_softmax(running_max, total, scores, valid)
-        rows.write_back()  # after every read of the block: see _RowReader
         weights = weights.astype(compute_dtype)
         accs = [
             acc * rescale[:, None] + jax.lax.dot(weights, v, precision=precision, preferred_element_type=jnp.float32) for acc, v in zip(accs, keys)
