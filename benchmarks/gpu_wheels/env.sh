@@ -9,7 +9,8 @@ fi
 # cache turns them on; executables are not stored: a rank's are GBs and no two runs share one).
 # XLA_CACHE_SEED=FILE.tgz: results from an earlier call, unpacked there first (benchmarks/xla_cache/).
 # XLA_CACHES=all adds XLA's compiled-kernel cache: it cut a DeepSeek-V3.2 rank's compile from 161
-# to < 40 s, and the cached kernels then failed with CUDA_ERROR_ILLEGAL_INSTRUCTION (2026-12-04).
+# to < 40 s, and the cached kernels then failed with CUDA_ERROR_ILLEGAL_INSTRUCTION (2026-12-04;
+# docs/PERFORMANCE.md: the cache file keys kernels by name, which an engine's programs reuse).
 if [[ -n ${XLA_CACHE:-} ]]; then
   mkdir -p "$XLA_CACHE"
   if [[ -n ${XLA_CACHE_SEED:-} && -f $XLA_CACHE_SEED ]]; then tar -xzf "$XLA_CACHE_SEED" -C "$XLA_CACHE"; fi
