@@ -74,7 +74,9 @@ def assert_everything_free(engine):
         assert engine.scheduler.host_pages.num_free == engine.scheduler.host_pages.num_pages
 
 
-@pytest.mark.parametrize("hisparse", [HISPARSE, None], ids=["hisparse", "baseline"])
+@pytest.mark.parametrize(
+    "hisparse", [HISPARSE, dataclasses.replace(HISPARSE, miss_read="attention"), None], ids=["hisparse", "miss_read_attention", "baseline"]
+)
 def test_requests_joining_and_leaving_decode_as_if_alone(runner, workload, alone, hisparse):
     engine = Engine(runner, engine_config(hisparse))
     result = engine.run(workload)  # 8 requests through 3 slots: they join and leave over the run

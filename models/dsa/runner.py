@@ -188,7 +188,7 @@ class ModelRunner:
         )  # the MTP layer over a prompt (speculative runners)
         self._embed = jax.jit(lambda params, tokens: nnx.merge(self.graphdef, params).embed_tokens(tokens))
         self._logits = jax.jit(lambda params, h: nnx.merge(self.graphdef, params).logits(h))
-        self._cache_fns = {}  # per KV state type: jits whose outputs keep the host pool pinned
+        self._cache_fns = {}  # per KV state tree: jits whose outputs keep the host pool pinned
 
     def device_footprint(self, hisparse: HiSparseConfig | None) -> DeviceFootprint:
         """The device bytes one request holds under `hisparse` (None: no offload), in this runner's
@@ -207,7 +207,10 @@ class ModelRunner:
         return jax.device_put(x, NamedSharding(self.mesh, spec))
 
     def _jitted(self, cache: DecodeCache) -> dict:
-        kind = type(cache.kv)
+        # The state's type and static fields (layout, launch shapes, miss_read): the output
+        # shardings below are a prefix of exactly that tree, so a state differing in any of them
+        # gets its own jits (a HiSparseConfig with another miss_read is another tree).
+        kind = jax.tree.structure(cache.kv)
         if kind not in self._cache_fns:
             kv_out = state_shardings(cache.kv)
             store = functools.partial(store_prefill_rows, implementation=self.implementation)
