@@ -35,7 +35,7 @@ def make_state(kind, mesh):
     layout = KVRowLayout(LATENT, ROPE, "float32")
     if kind == "full":
         return FullKVState.create(num_layers=L, num_requests=R, max_context=C, layout=layout, fill_value=jnp.nan, mesh=mesh)
-    config = HiSparseConfig(top_k=K, device_buffer_size=B)
+    config = HiSparseConfig(top_k=K, device_buffer_size=B, miss_read="attention" if kind == "hisparse_miss_read" else "copy")
     return HiSparseState.create(
         num_layers=L, num_requests=R, max_context=C, config=config, layout=layout,
         num_host_pages=R * PAGES_PER_REQUEST, page_size=PAGE, fill_value=jnp.nan, mesh=mesh,
@@ -52,7 +52,7 @@ def run(kind, mesh, rows, queries, topks, prompt_lens, steps):
     put = jit_donating_state(store, state)
     for r, n in enumerate(prompt_lens):
         pages = None
-        if kind == "hisparse":  # page numbers local to the request's group block
+        if kind.startswith("hisparse"):  # page numbers local to the request's group block
             local = r % per_group
             pages = jnp.arange(local * PAGES_PER_REQUEST, (local + 1) * PAGES_PER_REQUEST, dtype=jnp.int32)
         state = admit(state, r, n, pages)
@@ -80,7 +80,7 @@ def run(kind, mesh, rows, queries, topks, prompt_lens, steps):
     return np.stack(outs), state
 
 
-@pytest.mark.parametrize("kind", ["hisparse", "full"])
+@pytest.mark.parametrize("kind", ["hisparse", "hisparse_miss_read", "full"])
 def test_dp2_tp2_attention_equals_single_device(kind):
     rng = np.random.default_rng(0)
     steps, prompt_lens = 12, [5, 20, 40, 14]
@@ -97,6 +97,6 @@ def test_dp2_tp2_attention_equals_single_device(kind):
     assert np.all(np.isfinite(split))
     np.testing.assert_allclose(split, single, rtol=1e-6, atol=1e-6)
     # Each group's devices hold only its own requests' KV.
-    leaf = state.host_pool if kind == "hisparse" else state.kv
+    leaf = state.kv if kind == "full" else state.host_pool
     shard_rows = {s.device: s.index for s in leaf.addressable_shards}
     assert len({str(index) for index in shard_rows.values()}) == 2
