@@ -154,7 +154,9 @@ class HiSparseConfig:
       host -> device slots, then attention reads every row from the device (SGLang's order).
       "attention": the attention kernel reads them from the pinned pool itself, over PCIe, as it
       attends, and writes them to their slots: no copy launch, no wait before attention, the
-      same result bit for bit (docs/architecture.md, "Reading misses in attention"). Decode
+      same result bit for bit (fp8 rows: as the kernel's interleave form over copied rows, which
+      rounds differently from the default dequantize_first; docs/architecture.md, "Reading
+      misses in attention"). Decode
       layers with their own indexer only; the paged pool (dynamic_residency) takes "copy".
       Opt-in: on the H200 it is no faster at 64 heads and slower at 128 (docs/PERFORMANCE.md).
     """
