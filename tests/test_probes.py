@@ -1,4 +1,4 @@
-from benchmarks.probes import command_buffer_updates, pass_times, spy_top
+from benchmarks.probes import command_buffer_updates, pass_times, spy_top, state_copies
 
 
 def test_pass_times_sums_each_pass_over_its_runs():
@@ -56,3 +56,43 @@ def test_command_buffer_updates_refuses_a_log_without_its_lines(tmp_path, capsys
     log.write_text("nothing here\n")
     assert command_buffer_updates.main(["command_buffer_updates.py", str(log)]) == 2
     assert "no command_buffer_thunk lines" in capsys.readouterr().err
+
+
+STATE_COPIES_HLO = """HloModule jit__greedy_decode_step, is_scheduled=true, input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, may-alias) }
+
+%fused (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %c = f32[8]{0} copy(%p)
+}
+
+ENTRY %main.3 (x.1: f32[8], tables.1: s32[3,4,20], y.1: f32[]) -> (f32[8], s32[3,4,20]) {
+  %x.1 = f32[8]{0} parameter(0), metadata={op_name="x"}
+  %tables.1 = s32[3,4,20]{2,1,0} parameter(1)
+  %y.1 = f32[] parameter(2)
+  %constant.3 = f32[8]{0} constant({0, 0, 0, 0, 0, 0, 0, 0})
+  %copy.1 = f32[8]{0} copy(%x.1)
+  %copy = f32[8]{0} copy(%copy.1)
+  %copy.9 = f32[8]{0} copy(%constant.3)
+  %bitcast.2 = s32[240]{0} bitcast(%tables.1)
+  %copy-start.4 = (s32[240]{0}, s32[240]{0}, u32[]) copy-start(%bitcast.2)
+  %copy-done.4 = s32[240]{0} copy-done(%copy-start.4)
+  ROOT %tuple.13 = (f32[8]{0}, s32[3,4,20]{2,1,0}) tuple(%copy, %tables.1)
+}
+"""
+
+
+def test_state_copies_finds_each_copy_of_a_parameter_through_bitcasts_and_copies(tmp_path, capsys):
+    copies, num_params, aliased = state_copies.copied_parameters(STATE_COPIES_HLO)
+    assert (num_params, aliased) == (3, 2)
+    # x twice (a copy and a copy of it), the tables once through a bitcast; the constant's copy
+    # and the fused computation's copy of its own parameter are not the entry's parameters.
+    assert [(c["parameter"], c["name"], c["op"], c["bytes"]) for c in copies] == [
+        (0, "x.1", "copy", 32), (0, "x.1", "copy", 32), (1, "tables.1", "copy-start", 960)
+    ]
+    assert state_copies.shape_bytes("s32[3,4,20]{2,1,0}") == 960
+    dump = tmp_path / "module_0001.jit__greedy_decode_step.sm_9.0_gpu_after_optimizations.txt"
+    dump.write_text(STATE_COPIES_HLO)
+    assert state_copies.main([str(tmp_path)]) == 0
+    assert "3 copies of parameters" in capsys.readouterr().out
+    assert state_copies.main([str(tmp_path), "--module=prefill"]) == 2
+    assert "no optimised module matching 'prefill'" in capsys.readouterr().err
