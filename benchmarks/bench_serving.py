@@ -578,19 +578,22 @@ def merge_from(path: str) -> None:
     other_setup = dict(other.get("setup", {}))
     if "model" in other_setup:  # runs before --fp8_activations existed ran without it
         other_setup["model"] = {"fp8_activations": False, **other_setup["model"]}
-    # miss_read changes how HiSparse reads its misses, not what it holds: a baseline-only run
-    # merges whatever its value (runs before the key existed read "copy").
-    normalise = lambda setup: {**setup, "hisparse_config": {**setup.get("hisparse_config", {}), "miss_read": None}}  # noqa: E731
-    other_setup, ours_setup = normalise(other_setup), normalise(RESULTS["setup"])
+    ours = {p["mode"] for p in RESULTS["points"]}
+    merged_modes = {p["mode"] for p in other.get("points", [])} - ours
+    ours_setup = RESULTS["setup"]
+    if merged_modes <= {"baseline"}:
+        # miss_read is how HiSparse reads its misses: it does not touch the baseline's points,
+        # which merge whatever its value (runs before the key existed read "copy").
+        normalise = lambda setup: {**setup, "hisparse_config": {**setup.get("hisparse_config", {}), "miss_read": None}}  # noqa: E731
+        other_setup, ours_setup = normalise(other_setup), normalise(ours_setup)
     for key in ("model", "capacity", "hisparse_config"):
         if other_setup.get(key) != ours_setup.get(key):
             raise app.UsageError(f"--merge_from={path}: its setup's {key} differs from this run's")
     if other.get("setup", {}).get("contexts") != RESULTS["setup"].get("contexts"):
         raise app.UsageError(f"--merge_from={path}: its contexts differ from this run's")
-    ours = {p["mode"] for p in RESULTS["points"]}
     RESULTS["points"] += [p for p in other.get("points", []) if p["mode"] not in ours]
     RESULTS["step_split"] += [e for e in other.get("step_split", []) if e.get("mode") not in ours]
-    RESULTS["merged_from"] = dict(path=path, modes=sorted({p["mode"] for p in other.get("points", [])} - ours),
+    RESULTS["merged_from"] = dict(path=path, modes=sorted(merged_modes),
                                   device=other.get("device"))  # fmt: skip
     log(f"merged {RESULTS['merged_from']['modes']} points from {path}")
 

@@ -11,14 +11,16 @@ Order inside a step, and why (each stage is a KVState method; FullKV's swap-in a
 nothing):
   1. write_newest: the newest row goes to its device slot (HiSparse: slot = position while
      n <= B, else the reserved slot B), so attention can read it without a host round trip;
-  2. swap_in: the swap-in plan, then the copy of the missed rows host -> device (pallas_kernels);
+  2. swap_in: the swap-in plan, then the copy of the missed rows host -> device (pallas_kernels;
+     with HiSparseConfig.miss_read "attention" the copy is deferred to step 4's kernel);
   3. backup_newest: eager backup of the newest row device -> its host slot, after the copy
      (which never needs it: the newest position resolves to a device slot); the next step's
      swap-in reads the pool XLA returns here, which orders the backup before any read of that
      row from the host. With backup=False the caller backs the rows up itself, after its last
      layer (models/dsa/decoding.py: kv_cache_ops.backup_newest_rows), so that no copy of a later
      layer waits for an in-place pool write;
-  4. attention over the resolved slots of state.device_rows.
+  4. attend: attention over the resolved slots of state.device_rows (miss_read "attention": the
+     kernel reads the misses from the host pool and writes them to their slots as it goes).
 
 Shared-index layers (GLM IndexShare) replay their anchor's plan. prefetch_shared_rows fetches a
 shared layer's missed rows as soon as the anchor's plan exists, into a fresh array on a second
@@ -124,7 +126,7 @@ def attention_layer(
     if before_attention is not None:
         query = before_attention(state, plan, query)
     with jax.named_scope("attention"):
-        state, out = state.attend(layer, query, plan, topk, latent_dim=latent_dim, sm_scale=sm_scale, implementation=implementation)
+        state, out = state.attend(layer, query, plan, deferred_topk=topk, latent_dim=latent_dim, sm_scale=sm_scale, implementation=implementation)
     return state, out, LayerStepInfo(plan.num_hits, plan.num_misses, plan if record_plan else None)
 
 

@@ -173,14 +173,15 @@ class KVState(Protocol):
     def swap_in(self, layer, topk, lengths, *, implementation=None, defer_copy=False) -> tuple["KVState", SwapInPlan]:
         """Makes the rows topk i32[R, K] selects readable in device_rows: returns the state and the
         plan, whose slots i32[R, K] index device_rows. lengths i32[R]: tokens stored with the newest.
-        defer_copy: the caller attends with attend(..., topk=topk) next, which may read the
-        misses from the host itself (miss_read "attention"); then they are not copied here."""
+        defer_copy: the caller attends with attend(..., deferred_topk=topk) next, which may read
+        the misses from the host itself (miss_read "attention"); then they are not copied here."""
         ...
 
-    def attend(self, layer, query, plan: SwapInPlan, topk=None, *, latent_dim, sm_scale, implementation=None) -> tuple["KVState", jax.Array]:
+    def attend(self, layer, query, plan: SwapInPlan, *, deferred_topk=None, latent_dim, sm_scale, implementation=None) -> tuple["KVState", jax.Array]:
         """Sparse MLA attention of query [b, H, D + rope] over the plan's slots -> (state,
-        f32[b, H, D]). topk: the plan's i32[b, K] selection when swap_in ran with defer_copy
-        (the misses are read here), None when every row is in place."""
+        f32[b, H, D]). deferred_topk: the plan's i32[b, K] selection, given exactly when swap_in
+        ran with defer_copy=True (the misses may still be on the host: they are read here);
+        None when every row is in place (a copy or a replay placed them)."""
         ...
 
     def replay_swap_in(self, layer, plan: SwapInPlan, *, implementation=None) -> "KVState":
@@ -470,7 +471,7 @@ class HiSparseState:
     def swap_in(self, layer, topk, lengths, *, implementation=None, defer_copy=False) -> tuple["HiSparseState", SwapInPlan]:
         """Plans the swap-in of topk i32[b, K] (updating buffer_tokens, lru_slots) and copies the
         misses host -> device, unless defer_copy and miss_read "attention": then attend(...,
-        topk) reads them. lengths i32[b]: tokens stored including the newest, 0 inactive."""
+        deferred_topk=topk) reads them. lengths i32[b]: tokens stored including the newest, 0 inactive."""
         # A batch b smaller than R plans slots 0 .. b - 1 on the whole tables (the plan kernel
         # indexes them by request): no per-layer slices copied out and back.
         plan, buffer_tokens, lru_slots, scratch = swap_in_plan(
@@ -489,16 +490,13 @@ class HiSparseState:
         state = self if deferred else self.replay_swap_in(layer, plan, implementation=implementation)
         return state.replace(buffer_tokens=buffer_tokens, lru_slots=lru_slots, swap_in_scratch=scratch), plan
 
-    def attend(self, layer, query, plan: SwapInPlan, topk=None, *, latent_dim, sm_scale, implementation=None) -> tuple["HiSparseState", jax.Array]:
-        """Attention over the plan's slots; with topk (swap_in deferred its copy, miss_read
+    def attend(self, layer, query, plan: SwapInPlan, *, deferred_topk=None, latent_dim, sm_scale, implementation=None) -> tuple["HiSparseState", jax.Array]:
+        """Attention over the plan's slots; with deferred_topk (swap_in deferred its copy, miss_read
         "attention") the kernel reads the misses from the pool and places them in their slots."""
-        if topk is None or self.miss_read != "attention":
-            return self, sparse_mla_attention(
-                query, self.device_rows, layer, plan.slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=self.layout,
-                implementation=implementation,
-            )
+        if deferred_topk is None or self.miss_read != "attention":
+            return self, _attend_device_rows(self, layer, query, plan, latent_dim, sm_scale, implementation)
         out, device_buffer = sparse_mla_attention_reading_host(
-            query, self.device_buffer, layer, plan.slots, self._entry_host_slots(plan, topk), self.host_pool,
+            query, self.device_buffer, layer, plan.slots, self._entry_host_slots(plan, deferred_topk), self.host_pool,
             latent_dim=latent_dim, sm_scale=sm_scale, layout=self.layout, implementation=implementation,
         )
         # As in replay_swap_in: every later in-place write of the pool waits for this read.
@@ -776,12 +774,9 @@ class FullKVState:
         """Nothing to copy: every row is already on the device."""
         return self
 
-    def attend(self, layer, query, plan: SwapInPlan, topk=None, *, latent_dim, sm_scale, implementation=None) -> tuple["FullKVState", jax.Array]:
+    def attend(self, layer, query, plan: SwapInPlan, *, deferred_topk=None, latent_dim, sm_scale, implementation=None) -> tuple["FullKVState", jax.Array]:
         """Attention over the selected positions of the on-device KV (nothing to read from a host)."""
-        return self, sparse_mla_attention(
-            query, self.device_rows, layer, plan.slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=self.layout,
-            implementation=implementation,
-        )
+        return self, _attend_device_rows(self, layer, query, plan, latent_dim, sm_scale, implementation)
 
     def backup_newest(self, layer, new_row, positions, *, implementation=None) -> "FullKVState":
         """Nothing to back up: write_newest stored the row where it stays."""
@@ -823,6 +818,14 @@ class FullKVState:
         """Nothing to move: the kept rows are at their positions already; dropped ones lie past
         the new lengths, where the next tokens overwrite them."""
         return self
+
+
+def _attend_device_rows(state, layer, query, plan: SwapInPlan, latent_dim, sm_scale, implementation) -> jax.Array:
+    """f32[b, H, D]: the sparse MLA attention over the plan's slots of state.device_rows."""
+    return sparse_mla_attention(
+        query, state.device_rows, layer, plan.slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=state.layout,
+        implementation=implementation,
+    )
 
 
 def _distinct_valid(topk: jax.Array) -> jax.Array:

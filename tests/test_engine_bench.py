@@ -46,25 +46,38 @@ def test_bench_serving_smoke_runs_every_phase(tmp_path):
 def test_bench_serving_merges_a_run_of_the_other_engine(tmp_path):
     """A rank's two engines run in two device calls (--modes, --merge_from): the second run
     takes the first's points when both measured the same setup, including a first run written
-    before --fp8_activations existed (no such key: it ran without)."""
+    before --fp8_activations and miss_read existed (no such keys: it ran without them). miss_read
+    does not touch the baseline, so a baseline run merges whatever its value; HiSparse points
+    measured with another miss_read are refused."""
 
-    def run(mode, out, *extra):
+    def run(mode, out, *extra, ok=True):
         done = subprocess.run(
             [sys.executable, os.path.join(ROOT, "benchmarks", "bench_serving.py"), "--smoke", f"--output_dir={out}", "--steps=2",
              "--warm_steps=1", "--concurrency=1", "--phases=synthetic", "--profile_steps=0", f"--modes={mode}", *extra],
             capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=900,
         )  # fmt: skip
+        if not ok:
+            return done
         assert done.returncode == 0, done.stderr[-3000:]
         with open(out / "bench_serving.json") as f:
             return json.load(f)
 
     first = run("baseline", tmp_path / "a")
     del first["setup"]["model"]["fp8_activations"]
+    del first["setup"]["hisparse_config"]["miss_read"]
     with open(tmp_path / "old.json", "w") as f:
         json.dump(first, f)
-    merged = run("hisparse", tmp_path / "b", f"--merge_from={tmp_path / 'old.json'}")
+    attention = '--hisparse_config={"miss_read": "attention"}'
+    merged = run("hisparse", tmp_path / "b", attention, f"--merge_from={tmp_path / 'old.json'}")
     assert {p["mode"] for p in merged["points"]} == {"hisparse", "baseline"}
     assert merged["merged_from"]["modes"] == ["baseline"]
+    assert merged["setup"]["hisparse_config"]["miss_read"] == "attention"
+    # HiSparse points read with "attention" do not merge into a run set up with "copy".
+    merged["points"] = [p for p in merged["points"] if p["mode"] == "hisparse"]
+    with open(tmp_path / "hisparse_attention.json", "w") as f:
+        json.dump(merged, f)
+    refused = run("baseline", tmp_path / "c", f"--merge_from={tmp_path / 'hisparse_attention.json'}", ok=False)
+    assert refused.returncode != 0 and "its setup's hisparse_config differs" in refused.stderr, refused.stderr[-2000:]
 
 
 @pytest.mark.slow
