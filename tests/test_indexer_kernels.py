@@ -46,18 +46,22 @@ def make_inputs(key_dtype: str, seed: int = 0, positions=POSITIONS):
     return q, w, keys, scales, jnp.asarray(positions, jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("implementation", "block_c", "blocks_per_program"))
-def scores_of(q, w, keys, scales, layer, positions, implementation, block_c=64, blocks_per_program=None):
-    tuning = {"block_c": block_c, "blocks_per_program": blocks_per_program} if implementation == "pallas" else {}
+@functools.partial(jax.jit, static_argnames=("implementation", "block_c", "blocks_per_program", "keys_major"))
+def scores_of(q, w, keys, scales, layer, positions, implementation, block_c=64, blocks_per_program=None, keys_major=False):
+    tuning = {"block_c": block_c, "blocks_per_program": blocks_per_program, "keys_major": keys_major} if implementation == "pallas" else {}
     return indexer_scores.index_scores_masked(q, w, keys, scales, layer, positions, implementation=implementation, **tuning)
 
 
-@pytest.mark.parametrize("key_dtype, blocks_per_program", [("bfloat16", None), ("float32", None), ("fp8_e4m3", None), ("bfloat16", 1), ("fp8_e4m3", 2)])
-def test_scores_kernel_matches_reference(key_dtype, blocks_per_program):
+@pytest.mark.parametrize(
+    "key_dtype, blocks_per_program, keys_major",
+    [("bfloat16", None, False), ("float32", None, False), ("fp8_e4m3", None, False), ("bfloat16", 1, False), ("fp8_e4m3", 2, False),
+     ("fp8_e4m3", 2, True), ("float32", None, True)],
+)
+def test_scores_kernel_matches_reference(key_dtype, blocks_per_program, keys_major):
     inputs = make_inputs(key_dtype)
     positions = np.asarray(inputs[-1])
     ref = np.asarray(scores_of(*inputs[:4], 1, inputs[4], "reference"))
-    got = np.asarray(scores_of(*inputs[:4], jnp.int32(1), inputs[4], "pallas", blocks_per_program=blocks_per_program))
+    got = np.asarray(scores_of(*inputs[:4], jnp.int32(1), inputs[4], "pallas", blocks_per_program=blocks_per_program, keys_major=keys_major))
     visible = np.arange(C)[None, :] <= positions[:, None]
     assert not np.isnan(got).any()
     assert np.all(got[~visible] == -np.inf) and np.all(np.isfinite(got[visible]))

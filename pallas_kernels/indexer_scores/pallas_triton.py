@@ -26,6 +26,7 @@ def _scores_kernel(
     block_c: int,
     blocks_per_program: int,
     fp8: bool,
+    keys_major: bool,
     interpret: bool,
 ):
     i, program = pl.program_id(0), pl.program_id(1)
@@ -48,11 +49,18 @@ def _scores_kernel(
             jnp.broadcast_to(allowed[:, None], (block_c, I)),
             jnp.zeros((), keys_ref.dtype),  # typed: Triton casts no int to fp8
         ).astype(operand)  # [block_c, I]
-        per_head = jax.lax.dot_general(
-            q, keys, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-        )  # f32[block_g, block_c]
-        per_head = jnp.maximum(per_head * I**-0.5, 0.0)
-        scores = jnp.sum(per_head * w[:, None], axis=0)  # f32[block_c]
+        if keys_major:  # keys as the dot's M side (wgmma's A may stay in registers after the fp8 cast)
+            per_key = jax.lax.dot_general(
+                keys, q, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+            )  # f32[block_c, block_g]
+            per_key = jnp.maximum(per_key * I**-0.5, 0.0)
+            scores = jnp.sum(per_key * w[None, :], axis=1)  # f32[block_c]
+        else:
+            per_head = jax.lax.dot_general(
+                q, keys, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+            )  # f32[block_g, block_c]
+            per_head = jnp.maximum(per_head * I**-0.5, 0.0)
+            scores = jnp.sum(per_head * w[:, None], axis=0)  # f32[block_c]
         if fp8:
             scores = scores * common.gather(scales_ref, (layer, i, safe_c), allowed, 1.0)
         in_row = c < C
@@ -79,10 +87,13 @@ def default_blocking(b: int, C: int, fp8: bool) -> tuple[int, int]:
 
 @common.lower_once
 def index_scores_masked_pallas(
-    q, weights, index_keys, key_scales, layer, positions, *, block_c=None, blocks_per_program=None, num_warps=4, num_stages=None
+    q, weights, index_keys, key_scales, layer, positions, *, block_c=None, blocks_per_program=None, num_warps=4, num_stages=None,
+    keys_major=False,
 ):
     """The Pallas kernel; see index_scores_masked. Each program scores blocks_per_program blocks
-    of block_c keys (a power of two) of one request; None: default_blocking (measured)."""
+    of block_c keys (a power of two) of one request; None: default_blocking (measured).
+    keys_major: the dot as keys [block_c, I] . q^T (f32[block_c, heads]) rather than q . keys^T;
+    the same products, summed over heads along the other axis (equal to rounding)."""
     check_inputs(q, weights, index_keys, key_scales, layer, positions)
     b, G, I = q.shape
     C = index_keys.shape[2]
@@ -105,6 +116,7 @@ def index_scores_masked_pallas(
         block_c=block_c,
         blocks_per_program=blocks_per_program,
         fp8=fp8,
+        keys_major=keys_major,
         interpret=common.interpret_mode(),
     )
     # An unused f32[1] stands in for the scales of non-fp8 keys (a zero-size operand has no pointer).
