@@ -33,6 +33,7 @@ segments that would not finish within --time_budget_s.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import glob
@@ -58,6 +59,7 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks import step_split  # noqa: E402
+from benchmarks.probes import state_copies  # noqa: E402
 from benchmarks.helpers import bench_model_config, ep8_rank_config, log  # noqa: E402
 from configs.model import DSAModelConfig  # noqa: E402
 from hisparse_jax.config import HiSparseConfig, ResidencyConfig  # noqa: E402
@@ -694,7 +696,9 @@ def main(_):
         log(f"{r['phase']:11s} c={r['max_concurrency']:4d} running (hisparse, baseline) {r['running']}: hisparse / baseline = {r['ratio']:.2f}x")
     draw()
     save()
-    if HLO_DUMP_DIR and os.path.isdir(HLO_DUMP_DIR):  # keep XLA's memory reports (one small file), drop the dump
+    if HLO_DUMP_DIR and os.path.isdir(HLO_DUMP_DIR):  # keep XLA's memory reports and the state copies (small), drop the dump
+        with open(os.path.join(FLAGS.output_dir, "state_copies.txt"), "w") as f, contextlib.redirect_stdout(f):
+            state_copies.main([HLO_DUMP_DIR])  # the parameters each decode program copies: a copied state array moves every step
         reports = sorted(glob.glob(os.path.join(HLO_DUMP_DIR, "*memory-usage-report.txt")))
         with tarfile.open(os.path.join(FLAGS.output_dir, "hlo_memory_reports.tar.gz"), "w:gz") as tar:
             for path in reports:

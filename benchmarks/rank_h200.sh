@@ -10,9 +10,9 @@
 # batch bucket each), FP8_ACTIVATIONS (1: w8a8, the checkpoints' activation_scheme "dynamic" as
 # SGLang runs them; 0: the dequantised-weights numbers), PROFILE_RUNNING (1: the step split at c = 1
 # as well as at capacity), EXTRA_XLA_FLAGS, CB_VLOG (1: XLA logs each command-buffer re-record;
-# command_buffer_updates.txt counts them per buffer), HLO_DUMP (1: the decode programs' optimised
-# HLO dumped, and state_copies.txt lists the parameters each copies: a copied state array moves
-# every step). Extra arguments go to bench_serving.py.
+# command_buffer_updates.txt counts them per buffer). bench_serving writes state_copies.txt (the
+# parameters each decode program copies: a copied state array moves every step) from the HLO it
+# dumps for the step split. Extra arguments go to bench_serving.py.
 set -uo pipefail
 OUT=${OUT:-outputs/rank}
 mkdir -p "$OUT"
@@ -22,10 +22,9 @@ export XLA_FLAGS="${XLA_FLAGS:-} ${EXTRA_XLA_FLAGS:-}"  # e.g. --xla_gpu_command
 ACT=$([[ ${FP8_ACTIVATIONS:-1} == 1 ]] && echo --fp8_activations || echo --nofp8_activations)
 
 run_context() {  # $1: context, $2: output dir, $3: a bench_serving.json to merge (or ""), $4: seconds
-  local merge=${3:+--merge_from=$3} dump=""
+  local merge=${3:+--merge_from=$3}
   mkdir -p "$2"
-  [[ ${HLO_DUMP:-0} == 1 ]] && dump="--xla_dump_to=$2/hlo_dump --xla_dump_hlo_module_re=greedy_decode_step"
-  XLA_FLAGS="$XLA_FLAGS $dump" timeout "$4" python3 benchmarks/bench_serving.py --preset=${PRESET:-deepseek-v3.2-dp8-rank} \
+  timeout "$4" python3 benchmarks/bench_serving.py --preset=${PRESET:-deepseek-v3.2-dp8-rank} \
     --kv_cache_dtype=fp8_e4m3 --context="$1" --phases=synthetic --concurrency=${CONCURRENCY:-1,64} \
     --profile_steps=3 --profile_running=${PROFILE_RUNNING:-1} --warm_steps=3 --steps=8 --modes=${MODE:-baseline} $ACT $merge \
     --time_budget_s=$(($4 - 20)) --output_dir="$2" "${EXTRA_ARGS[@]}" 2>&1 | tee "$2/rank.log" | grep -v "^WARNING\|^I1" | tail -40
@@ -33,10 +32,8 @@ run_context() {  # $1: context, $2: output dir, $3: a bench_serving.json to merg
     python3 benchmarks/probes/command_buffer_updates.py "$2/rank.log" | tee "$2/command_buffer_updates.txt" | head -12
     gzip -f "$2/rank.log"
   fi
-  if [[ ${HLO_DUMP:-0} == 1 ]]; then
-    python3 benchmarks/probes/state_copies.py "$2/hlo_dump" | tee "$2/state_copies.txt" | head -20
-  fi
-  rm -rf "$2"/trace_* "$2"/hlo_dump  # large; the split is in bench_serving.json
+  [[ -f $2/state_copies.txt ]] && head -12 "$2/state_copies.txt"
+  rm -rf "$2"/trace_*  # large; the split is in bench_serving.json
 }
 
 EXTRA_ARGS=("$@")

@@ -104,3 +104,6 @@ def test_bench_serving_splits_the_step_at_c1_and_at_capacity(tmp_path):
         assert row["hisparse_ms_per_step"] == splits["hisparse", capacity["hisparse"]]["categories_ms"][row["category"]]
         assert row["baseline_ms_per_step"] == splits["baseline", capacity["baseline"]]["categories_ms"][row["category"]]
     assert (tmp_path / "step_split.png").stat().st_size > 0
+    copies = (tmp_path / "state_copies.txt").read_text()  # from the dump the split read, before it is removed
+    assert "greedy_decode_step" in copies and "aliased to outputs" in copies, copies
+    assert not (tmp_path / "hlo_dump").exists()

@@ -73,34 +73,41 @@ def _scores_kernel(
         jax.lax.fori_loop(0, blocks_per_program, block, 0)
 
 
-def default_blocking(b: int, C: int, fp8: bool) -> tuple[int, int]:
-    """(block_c, blocks_per_program), as measured on the H200 (2026-12-01, 64 heads x 128, bf16
-    keys, device us; docs/perf/bench_kernels_indexer_h200_2026-12-01b.json). bf16 / f32 keys:
+def default_blocking(b: int, C: int, fp8: bool) -> tuple[int, int, bool]:
+    """(block_c, blocks_per_program, keys_major), as measured on the H200.
+
+    bf16 / f32 keys (2026-12-01, 64 heads x 128, device us; docs/perf/bench_kernels_indexer_h200_2026-12-01b.json):
     64-key blocks, 16 per program (47 x 32k 126.8 us vs 130.6 for 8 x 128; 190 x 32k 466.0 vs
     476.7; 47 x 64k 235.9 vs 247.1; 47 x 128k 455.4 vs 465.2), 4 per program when that leaves
-    under 1024 programs (13 x 32k: 42.7 us vs 47.0 with 16, 45.9 for 8 x 128). fp8 keys: 1
-    block of 128 (35 us faster than 8 at 47 x 32k, docs/PERFORMANCE.md; why is not established)."""
+    under 1024 programs (13 x 32k: 42.7 us vs 47.0 with 16, 45.9 for 8 x 128).
+    fp8 keys (2026-12-04, tenth session, benchmarks/probes/indexer_fp8_tiling.py; docs/PERFORMANCE.md): the
+    keys-major dot everywhere; 16 blocks of 64 keys per program when that makes >= 1024 programs
+    (37 x 61,440 x 64 heads: 149.3 us vs 219.7 for the 2026-12-01 default of one 128-key block
+    head-major; 47 x 32k: 106.5 vs 152.9), else one block of 128 (23 x 40,960 x 32 heads: 57.4
+    vs 60.5; 1 x 61,440: 7.3 vs 8.0)."""
+    many_programs = b * pl.cdiv(C, 64 * 16) >= 1024
     if fp8:
-        return 128, 1
-    return 64, (16 if b * pl.cdiv(C, 64 * 16) >= 1024 else 4)
+        return (64, 16, True) if many_programs else (128, 1, True)
+    return 64, (16 if many_programs else 4), False
 
 
 @common.lower_once
 def index_scores_masked_pallas(
     q, weights, index_keys, key_scales, layer, positions, *, block_c=None, blocks_per_program=None, num_warps=4, num_stages=None,
-    keys_major=False,
+    keys_major=None,
 ):
     """The Pallas kernel; see index_scores_masked. Each program scores blocks_per_program blocks
     of block_c keys (a power of two) of one request; None: default_blocking (measured).
     keys_major: the dot as keys [block_c, I] . q^T (f32[block_c, heads]) rather than q . keys^T;
-    the same products, summed over heads along the other axis (equal to rounding)."""
+    the same products, summed over heads along the other axis (equal to rounding); None: the default's."""
     check_inputs(q, weights, index_keys, key_scales, layer, positions)
     b, G, I = q.shape
     C = index_keys.shape[2]
     if I < 16 or I & (I - 1):
         raise ValueError(f"the indexer kernel needs a power-of-two head dim >= 16 (a Triton dot), got I = {I}")
     fp8 = is_fp8(index_keys.dtype)
-    default_c, default_blocks = default_blocking(b, C, fp8)
+    default_c, default_blocks, default_keys_major = default_blocking(b, C, fp8)
+    keys_major = default_keys_major if keys_major is None else keys_major
     block_c = block_c or default_c
     if block_c < 16 or block_c & (block_c - 1):
         raise ValueError(f"block_c ({block_c}) must be a power of two >= 16")
