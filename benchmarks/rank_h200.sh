@@ -6,6 +6,8 @@
 # Several contexts in one call, one process each (the weights are rebuilt, ~41 s each):
 #   OUT=/tmp/out MODE=baseline CONTEXTS="40960 61440" bash benchmarks/rank_h200.sh   # -> $OUT/ctx<N>/
 #   OUT=/tmp/out MODE=hisparse CONTEXTS="40960 61440" MERGE_DIR=docs/perf/<call 1's $OUT copy> bash ...
+# At 131,072 tokens: MEM_FRACTION=0.98 XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=110 (the 20-request decode
+# program asked for a 14.83 GiB allocation under 0.95; docs/PERFORMANCE.md, 2026-12-04 tenth session).
 # PRESET (deepseek-v3.2-dp8-rank), CONTEXT (40960), CONCURRENCY (1,64: c = 1 and capacity, one
 # batch bucket each), FP8_ACTIVATIONS (1: w8a8, the checkpoints' activation_scheme "dynamic" as
 # SGLang runs them; 0: the dequantised-weights numbers), PROFILE_RUNNING (1: the step split at c = 1
