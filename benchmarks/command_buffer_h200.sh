@@ -12,6 +12,7 @@
 #   no_cublas      --xla_gpu_enable_command_buffer=-CUBLAS,-CUBLASLT: cuBLAS calls outside the graphs
 #                  (a graph holds them as stream-captured nodes, which an update captures again)
 #   no_cublas_decode   the same for the decode step's compile alone
+#   off_decode     no command buffers in the decode step's compile alone (op by op: no re-record)
 # (skip_temp and skip_profiled segfault in jaxlib 0.11.2 on the H200: docs/PERFORMANCE.md, 2026-12-03.)
 # LAYERS (12) keeps two variants' engines in one call (~140 s each at 12 layers); RUN_TIMEOUT (250 s)
 # bounds each variant, and its bench_serving budget follows it (at 200 s the baseline's segment was
@@ -40,6 +41,7 @@ declare -A DECODE_OPTIONS_OF=(
   [skip_temp_decode]='{"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"}'
   [skip_profiled_decode]='{"xla_gpu_command_buffer_update_mode": "SKIP_PROFILED"}'
   [no_cublas_decode]='{"xla_gpu_enable_command_buffer": "-CUBLAS,-CUBLASLT"}'
+  [off_decode]='{"xla_gpu_enable_command_buffer": ""}'
 )
 # CB_VLOG=1: XLA's command_buffer_thunk logs every re-record with its command count and how many
 # allocations moved; command_buffer_updates.txt counts them per command buffer (by size).
