@@ -6,8 +6,9 @@
 # Several contexts in one call, one process each (the weights are rebuilt, ~41 s each):
 #   OUT=/tmp/out MODE=baseline CONTEXTS="40960 61440" bash benchmarks/rank_h200.sh   # -> $OUT/ctx<N>/
 #   OUT=/tmp/out MODE=hisparse CONTEXTS="40960 61440" MERGE_DIR=docs/perf/<call 1's $OUT copy> bash ...
-# At 131,072 tokens: MEM_FRACTION=0.98 XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=110 (the 20-request decode
-# program asked for a 14.83 GiB allocation under 0.95; docs/PERFORMANCE.md, 2026-12-04 tenth session).
+# At 131,072 tokens and above MEM_FRACTION defaults to 0.98 and XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB to 110
+# (DeepSeek-V3.2's pool is 104.9 GB; its 20-request decode program asked for a 14.83 GiB allocation
+# that 0.95 left no room for: docs/PERFORMANCE.md, 2026-12-04 tenth session).
 # PRESET (deepseek-v3.2-dp8-rank), CONTEXT (40960), CONCURRENCY (1,64: c = 1 and capacity, one
 # batch bucket each), FP8_ACTIVATIONS (1: w8a8, the checkpoints' activation_scheme "dynamic" as
 # SGLang runs them; 0: the dequantised-weights numbers), PROFILE_RUNNING (1: the step split at c = 1
@@ -18,6 +19,11 @@
 set -uo pipefail
 OUT=${OUT:-outputs/rank}
 mkdir -p "$OUT"
+LONGEST=$(tr ' ' '\n' <<< "${CONTEXTS:-${CONTEXT:-40960}}" | sort -n | tail -1)
+if (( LONGEST >= 131072 )); then
+  export XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=${XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB:-110}
+  MEM_FRACTION=${MEM_FRACTION:-0.98}
+fi
 MEM_FRACTION=${MEM_FRACTION:-0.95} source benchmarks/gpu_wheels/env.sh
 export XLA_FLAGS="${XLA_FLAGS:-} ${EXTRA_XLA_FLAGS:-}"  # e.g. --xla_gpu_command_buffer_update_mode=SKIP_PROFILED
 [[ ${CB_VLOG:-0} == 1 ]] && export TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0
