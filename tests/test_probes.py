@@ -1,4 +1,11 @@
+import json
+import os
+import subprocess
+import sys
+
 from benchmarks.probes import command_buffer_updates, pass_times, spy_top, state_copies
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_pass_times_sums_each_pass_over_its_runs():
@@ -96,3 +103,18 @@ def test_state_copies_finds_each_copy_of_a_parameter_through_bitcasts_and_copies
     assert "3 copies of parameters" in capsys.readouterr().out
     assert state_copies.main([str(tmp_path), "--module=prefill"]) == 2
     assert "no optimised module matching 'prefill'" in capsys.readouterr().err
+
+
+def test_indexer_fp8_tiling_probe_checks_every_shape_against_the_reference(tmp_path):
+    """The probe's smoke run (CPU, interpret mode): each scoring shape checked against the jnp
+    reference, each top-k exactly against lax.top_k, exit 0 only when all pass."""
+    out = tmp_path / "probe.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "indexer_fp8_tiling.py"), "--smoke", f"--out={out}"],
+        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (size,) = json.loads(out.read_text())["sizes"]
+    assert [v["tuning"] for v in size["variants"]] == [{}, {"keys_major": True, "block_c": 32, "blocks_per_program": 2}]
+    assert all(v["checked"] is True for v in size["variants"]) and all(v["exact"] is True for v in size["topk"])
+    assert all(c["max_abs_score"] > 0 for c in size["checks"].values())  # the check compared real scores

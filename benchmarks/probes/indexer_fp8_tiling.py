@@ -36,7 +36,6 @@ from absl import app, flags  # noqa: E402
 
 from benchmarks import indexer_device_bench as bench  # noqa: E402
 from models.dsa.indexer import quantize_keys  # noqa: E402
-from pallas_kernels import indexer_scores, topk  # noqa: E402
 
 flags.DEFINE_string("out", "indexer_fp8_tiling.json", "Where the JSON goes.")
 flags.DEFINE_list("sizes", ["37x61440x64", "23x40960x32", "47x32768x64", "1x61440x64"], "batch x context x heads.")
@@ -83,15 +82,13 @@ def make_inputs(seed: int, b: int, context: int, heads: int, positions):
 
 
 def scorer(tuning):
-    if tuning is None:
-        return jax.jit(lambda q, w, keys, scales, pos: indexer_scores.index_scores_masked_reference(q, w, keys, scales, 0, pos))
-    return jax.jit(lambda q, w, keys, scales, pos: indexer_scores.index_scores_masked_pallas(q, w, keys, scales, jnp.int32(0), pos, **tuning))
+    """The scoring op (None: the jnp reference), compiled once per tuning (indexer_device_bench.op)."""
+    return bench.op("reference_score") if tuning is None else bench.op("score", tuning)
 
 
 def topker(tuning):
-    if tuning is None:
-        return jax.jit(lambda scores: topk.topk_reference(scores, TOP_K))
-    return jax.jit(lambda scores: topk.topk_indices_pallas(scores, TOP_K, **tuning))
+    """The top-k op (None: lax.top_k), k = bench.TOP_K, compiled once per tuning."""
+    return bench.op("reference_topk") if tuning is None else bench.op("topk", tuning)
 
 
 def timing(fn, sets, calls: int) -> dict:
@@ -151,6 +148,7 @@ def main(argv):
     sizes, variants = [tuple(map(int, s.split("x"))) for s in FLAGS.sizes], VARIANTS
     if FLAGS.smoke:
         HEAD_DIM, TOP_K, sizes, variants = 32, 16, [(3, 256, 16)], SMOKE_VARIANTS
+    bench.TOP_K = TOP_K  # the k of bench.op's top-k ops
     results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "sizes": []}
     start = time.perf_counter()
     for n, (b, context, heads) in enumerate(sizes):

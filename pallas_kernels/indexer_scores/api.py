@@ -13,9 +13,9 @@ the relu.
 The kernel (grid: requests x runs of key blocks) reads the whole key cache [J, R, C, I] in
 place, a few blocks of one request's keys per program: q [G, I] . keys [block, I]^T (fp8 keys:
 keys . q^T, the keys-major form) on the tensor cores (bf16 operands, f32 accumulation; f32 at
-full precision for f32 models), relu, head-weight sum and mask in registers, one f32 per key written. No [b, G, C] intermediate reaches memory, and
-keys past a request's position are never read (masked loads), so stale or NaN rows there cannot
-leak into a score.
+full precision for f32 models), relu, head-weight sum and mask in registers, one f32 per key
+written. No [b, G, C] intermediate reaches memory, and keys past a request's position are never
+read (masked loads), so stale or NaN rows there cannot leak into a score.
 
 Shape letters: b requests in the batch (the first b slots of the cache), G indexer heads,
 I index_head_dim, J indexer layers, R request slots, C key positions per slot.
