@@ -13,7 +13,10 @@
 # batch bucket each), FP8_ACTIVATIONS (1: w8a8, the checkpoints' activation_scheme "dynamic" as
 # SGLang runs them; 0: the dequantised-weights numbers), PROFILE_RUNNING (1: the step split at c = 1
 # as well as at capacity), EXTRA_XLA_FLAGS, CB_VLOG (1: XLA logs each command-buffer re-record;
-# command_buffer_updates.txt counts them per buffer). bench_serving writes state_copies.txt (the
+# command_buffer_updates.txt counts them per buffer), HISPARSE_XLA_OPTIONS (HiSparse's decode step's
+# XLA options; default no command buffers, which at 61 layers made its step faster at c = 1 and at
+# capacity while the baseline's got slower: PERFORMANCE.md, eleventh session; "" for XLA's defaults).
+# bench_serving writes state_copies.txt (the
 # parameters each decode program copies: a copied state array moves every step) from the HLO it
 # dumps for the step split. Extra arguments go to bench_serving.py.
 set -uo pipefail
@@ -28,6 +31,8 @@ MEM_FRACTION=${MEM_FRACTION:-0.95} source benchmarks/gpu_wheels/env.sh
 export XLA_FLAGS="${XLA_FLAGS:-} ${EXTRA_XLA_FLAGS:-}"  # e.g. --xla_gpu_command_buffer_update_mode=SKIP_PROFILED
 [[ ${CB_VLOG:-0} == 1 ]] && export TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0
 ACT=$([[ ${FP8_ACTIVATIONS:-1} == 1 ]] && echo --fp8_activations || echo --nofp8_activations)
+NO_COMMAND_BUFFERS='{"xla_gpu_enable_command_buffer": ""}'
+HISPARSE_XLA_OPTIONS=${HISPARSE_XLA_OPTIONS-$NO_COMMAND_BUFFERS}
 
 run_context() {  # $1: context, $2: output dir, $3: a bench_serving.json to merge (or ""), $4: seconds
   local merge=${3:+--merge_from=$3}
@@ -35,6 +40,7 @@ run_context() {  # $1: context, $2: output dir, $3: a bench_serving.json to merg
   timeout "$4" python3 benchmarks/bench_serving.py --preset=${PRESET:-deepseek-v3.2-dp8-rank} \
     --kv_cache_dtype=fp8_e4m3 --context="$1" --phases=synthetic --concurrency=${CONCURRENCY:-1,64} \
     --profile_steps=3 --profile_running=${PROFILE_RUNNING:-1} --warm_steps=3 --steps=8 --modes=${MODE:-baseline} $ACT $merge \
+    --hisparse_decode_xla_options="$HISPARSE_XLA_OPTIONS" \
     --time_budget_s=$(($4 - 20)) --output_dir="$2" "${EXTRA_ARGS[@]}" 2>&1 | tee "$2/rank.log" | grep -v "^WARNING\|^I1" | tail -40
   if [[ ${CB_VLOG:-0} == 1 ]]; then
     python3 benchmarks/probes/command_buffer_updates.py "$2/rank.log" | tee "$2/command_buffer_updates.txt" | head -12

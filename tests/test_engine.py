@@ -734,3 +734,16 @@ def test_decode_compiler_options_reach_the_decode_step_compile():
     prompt = np.arange(9, dtype=np.int32)[None]
     with pytest.raises(Exception, match="xla_no_such_option_for_this_test"):
         generate(runner, prompt, 2)
+
+
+def test_hisparse_decode_compiler_options_reach_the_hisparse_step_alone():
+    """hisparse_decode_compiler_options go to HiSparse caches' decode step alone: the dense step
+    compiles without them, a HiSparse step with them (an unknown name is refused)."""
+    runner = ModelRunner(
+        DSAForCausalLM(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0)), prefill_chunk=32,
+        hisparse_decode_compiler_options={"xla_no_such_option_for_this_test": True},
+    )  # fmt: skip
+    prompt = np.arange(9, dtype=np.int32)[None]
+    assert generate(runner, prompt, 2).tokens.shape == (1, 2)  # the dense step: no options
+    with pytest.raises(Exception, match="xla_no_such_option_for_this_test"):
+        generate(runner, prompt, 2, hisparse=HISPARSE)

@@ -28,7 +28,7 @@ from hisparse_jax.attention_layer import shared_prefetch_mode
 from hisparse_jax.config import HiSparseConfig
 from hisparse_jax.kv_cache_ops import begin_request, store_prefill_rows
 from hisparse_jax.row_layout import KVRowLayout
-from hisparse_jax.state import state_shardings
+from hisparse_jax.state import FullKVState, state_shardings
 from models.common.layers import matmul_implementation
 from models.common.parallel import shard_params
 from models.common.runner import (
@@ -143,6 +143,7 @@ class ModelRunner:
         shared_prefetch: str | None = None,
         speculative=None,
         decode_compiler_options: dict | None = None,
+        hisparse_decode_compiler_options: dict | None = None,
     ):
         """parallel: tensor / data-parallel-attention layout (hisparse_jax.sharding); None or a
         single-device config runs on the default device. kv_cache_dtype: the caches' format
@@ -152,7 +153,11 @@ class ModelRunner:
         speculative: a configs.speculative.SpeculativeConfig to decode with the model's MTP layer
         (models.dsa.speculative; speculative_step): caches then hold the MTP layer's KV too and
         prefill ends with it. One device only. decode_compiler_options: XLA options for the decode
-        step's compile alone (jax.jit compiler_options), e.g. its command-buffer update mode."""
+        step's compile alone (jax.jit compiler_options), e.g. its command-buffer update mode.
+        hisparse_decode_compiler_options: the same for caches with HiSparse alone (None: as
+        decode_compiler_options). At 61 layers HiSparse's step runs faster without command
+        buffers ({"xla_gpu_enable_command_buffer": ""}) and the dense step slower (docs/PERFORMANCE.md,
+        2026-12-04 eleventh session), so the two engines can differ."""
         if speculative is not None:
             if model.mtp is None:
                 raise ValueError("speculative decoding needs the model's MTP layer (num_nextn_predict_layers = 0 here)")
@@ -160,6 +165,9 @@ class ModelRunner:
                 raise ValueError("speculative decoding runs on one device (no tensor / data-parallel mesh) yet")
         self.speculative = speculative
         self.decode_compiler_options = dict(decode_compiler_options or {})
+        self.hisparse_decode_compiler_options = (
+            self.decode_compiler_options if hisparse_decode_compiler_options is None else dict(hisparse_decode_compiler_options)
+        )
         self.config = model.config
         self.dtype = model.dtype
         self.kv_cache_dtype = kv_cache_dtype
@@ -212,6 +220,7 @@ class ModelRunner:
         # gets its own jits (a HiSparseConfig with another miss_read is another tree).
         kind = jax.tree.structure(cache.kv)
         if kind not in self._cache_fns:
+            options = self.decode_compiler_options if isinstance(cache.kv, FullKVState) else self.hisparse_decode_compiler_options
             kv_out = state_shardings(cache.kv)
             store = functools.partial(store_prefill_rows, implementation=self.implementation)
             if self.mesh is not None:  # only the owning data-parallel group writes, into its own pool
@@ -228,7 +237,7 @@ class ModelRunner:
                     functools.partial(
                         decode_step, self.graphdef, implementation=self.implementation, mesh=self.mesh, shared_prefetch=self.shared_prefetch
                     ),
-                    **({"compiler_options": self.decode_compiler_options} if self.decode_compiler_options else {}),
+                    **({"compiler_options": options} if options else {}),
                 ),
             )
             if self.speculative is not None:
