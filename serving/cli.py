@@ -43,7 +43,7 @@ from models.dsa.footprint import DeviceFootprint
 from models.dsa.loading import load_hf_checkpoint
 from models.dsa.model import DSAForCausalLM
 from models.common.runner import padded_prompt_length
-from models.dsa.runner import ModelRunner, PrefilledKV, resolved_shared_prefetch
+from models.dsa.runner import NO_COMMAND_BUFFERS, ModelRunner, PrefilledKV, resolved_shared_prefetch
 from models.registry import decode_checkpoint
 from serving import speculation
 from serving.disaggregation import KVReceiver, KVSender, parse_address
@@ -103,6 +103,7 @@ class ServingArgs:
     batch_buckets: bool = False
     prefill_token_budget: int | None = None  # EngineConfig.prefill_token_budget: None prefills whole
     disable_overlap_schedule: bool = False  # SGLang's --disable-overlap-schedule (EngineConfig.overlap_schedule)
+    disable_cuda_graph: bool = False  # SGLang's --disable-cuda-graph: the decode step without XLA command buffers
     tp_size: int = 1  # SGLang's --tp-size, --dp-size, --enable-dp-attention (hisparse_jax.sharding)
     dp_size: int = 1
     enable_dp_attention: bool = False
@@ -197,11 +198,14 @@ def make_runner(model, args: ServingArgs, shared_prefetch: str | None = None):
     (shared_prefetch: --hisparse_config's key; None, the default)."""
     family = registry.family_of_config(model.config)
     if family.make_runner is not None:
+        if args.disable_cuda_graph:
+            raise UsageError(f"--disable_cuda_graph is not supported for {args.model} yet (DSA models only)")
         return family.make_runner(model, implementation=args.implementation)
     try:
         return ModelRunner(
             model, implementation=args.implementation, parallel=args.parallel, kv_cache_dtype=args.kv_cache_dtype,
             speculative=args.speculative, shared_prefetch=shared_prefetch,
+            decode_compiler_options=NO_COMMAND_BUFFERS if args.disable_cuda_graph else None,
         )  # fmt: skip
     except ParallelConfigError as error:  # too few devices for the mesh
         raise UsageError(f"--tp_size/--dp_size/--enable_dp_attention: {error}") from None

@@ -110,6 +110,12 @@ _DISABLE_OVERLAP_SCHEDULE = flags.DEFINE_bool(
     "As SGLang's: read each decode step's tokens before dispatching the next. Default: the overlap schedule (step t + 1"
     " dispatched before step t's tokens are read, so the device never waits for the host's loop); tokens are the same.",
 )  # fmt: skip
+_DISABLE_CUDA_GRAPH = flags.DEFINE_bool(
+    "disable_cuda_graph", False,
+    "As SGLang's: compile the decode step without XLA command buffers (CUDA graphs); every kernel is launched by the host."
+    " On DeepSeek-V3.2's 61-layer rank at 61,440 tokens this made HiSparse's step faster at 1 and 37 requests and the"
+    " full-KV step slower (docs/PERFORMANCE.md, 2026-12-04 eleventh session); small models run better with them.",
+)  # fmt: skip
 _TP_SIZE = flags.DEFINE_integer("tp_size", 1, "Tensor parallelism: devices the dense and MoE weights are split over.")
 _DP_SIZE = flags.DEFINE_integer("dp_size", 1, "Data-parallel groups: each owns its requests, buffers and host pool block.")
 _ENABLE_DP_ATTENTION = flags.DEFINE_bool(
@@ -222,7 +228,7 @@ def main(argv):
             synthetic_topk_overlap=_SYNTHETIC_TOPK_OVERLAP.value, eos_token_id=_EOS_TOKEN_ID.value,
             page_size=_PAGE_SIZE.value, output_dir=_OUTPUT_DIR.value, implementation=_IMPLEMENTATION.value,
             progress=_PROGRESS.value, batch_buckets=_BATCH_BUCKETS.value, prefill_token_budget=_PREFILL_TOKEN_BUDGET.value,
-            disable_overlap_schedule=_DISABLE_OVERLAP_SCHEDULE.value,
+            disable_overlap_schedule=_DISABLE_OVERLAP_SCHEDULE.value, disable_cuda_graph=_DISABLE_CUDA_GRAPH.value,
             tp_size=_TP_SIZE.value, dp_size=_DP_SIZE.value,
             enable_dp_attention=_ENABLE_DP_ATTENTION.value, disaggregation_mode=_DISAGGREGATION_MODE.value,
             disaggregation_address=_DISAGGREGATION_ADDRESS.value, disaggregation_timeout_s=_DISAGGREGATION_TIMEOUT_S.value,

@@ -63,7 +63,7 @@ PD_DECODE_UNUSED = frozenset({"num_prompts", "eos_token_id", "compare_baseline",
 PD_PREFILL_UNUSED = frozenset(
     {"output_dir", "enable_hisparse", "hisparse_config", "compare_baseline", "device_buffer_sweep", "max_concurrency",
      "max_running_requests", "kv_budget_gb", "page_size", "batch_buckets", "prefill_token_budget",
-     "disable_overlap_schedule", "synthetic_topk_overlap"}
+     "disable_overlap_schedule", "disable_cuda_graph", "synthetic_topk_overlap"}
 )  # fmt: skip
 
 # run_decode.py's modes and the flags each reads. Serving (colocated or a PD instance) reads every
@@ -180,7 +180,8 @@ _RULES = {
         _positive_int,
     ),  # fmt: skip
     **dict.fromkeys(
-        ("enable_hisparse", "compare_baseline", "progress", "batch_buckets", "enable_dp_attention", "disable_overlap_schedule"),
+        ("enable_hisparse", "compare_baseline", "progress", "batch_buckets", "enable_dp_attention", "disable_overlap_schedule",
+         "disable_cuda_graph"),
         _bool,
     ),  # fmt: skip
     "prefill_token_budget": _optional_positive_int,

@@ -17,12 +17,13 @@ from flax import nnx
 from configs.model import DSAModelConfig
 from hisparse_jax.config import HiSparseConfig
 from serving import validation
-from serving.cli import ServingArgs
+from serving.cli import ServingArgs, make_runner
 from serving.errors import UsageError
 from hisparse_jax.sharding import ParallelConfig
 from models import registry
 from models.common import inputs
 from models.dsa.model import DSAForCausalLM
+from models.dsa.runner import NO_COMMAND_BUFFERS
 from models.registry import decode_checkpoint
 from models.dsa.generate import generate
 from models.common.inputs import InputError
@@ -315,6 +316,20 @@ def test_the_overlap_schedule_switch_is_a_serving_flag():
     changes = dict(disable_overlap_schedule=True)
     validation.check_flags(validation.SERVING, flag_values(**changes), present=set(changes))
     with pytest.raises(UsageError, match="--disable_overlap_schedule is not used by checkpoint decoding"):
+        validation.check_flags(validation.CHECKPOINT_DECODING, flag_values(**changes), present=set(changes))
+
+
+def test_the_cuda_graph_switch_is_a_serving_flag_that_reaches_the_decode_compile():
+    # SGLang's --disable-cuda-graph: a boolean serving reads (the decode step compiles without
+    # XLA command buffers), checkpoint decoding refuses.
+    with pytest.raises(UsageError, match="--disable_cuda_graph must be true or false, got 'no'"):
+        ServingArgs(disable_cuda_graph="no")
+    model = DSAForCausalLM(DSAModelConfig.tiny(), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    assert make_runner(model, ServingArgs(disable_cuda_graph=True)).decode_compiler_options == NO_COMMAND_BUFFERS
+    assert make_runner(model, ServingArgs()).decode_compiler_options == {}
+    changes = dict(disable_cuda_graph=True)
+    validation.check_flags(validation.SERVING, flag_values(**changes), present=set(changes))
+    with pytest.raises(UsageError, match="--disable_cuda_graph is not used by checkpoint decoding"):
         validation.check_flags(validation.CHECKPOINT_DECODING, flag_values(**changes), present=set(changes))
 
 

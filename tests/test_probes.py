@@ -83,6 +83,10 @@ ENTRY %main.3 (x.1: f32[8], tables.1: s32[3,4,20], y.1: f32[]) -> (f32[8], s32[3
   %bitcast.2 = s32[240]{0} bitcast(%tables.1)
   %copy-start.4 = (s32[240]{0}, s32[240]{0}, u32[]) copy-start(%bitcast.2)
   %copy-done.4 = s32[240]{0} copy-done(%copy-start.4)
+  %fusion.7 = f32[8]{0} fusion(%x.1), kind=kLoop, calls=%fused
+  %fusion.8 = f32[8]{0} fusion(%x.1), kind=kCustom, calls=%fused, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %custom-call.2 = f32[8]{0} custom-call(%x.1), custom_call_target="__gpu$xla.gpu.triton"
+  %custom-call.3 = f32[8]{0} custom-call(%x.1), custom_call_target="__gpu$xla.gpu.triton"
   ROOT %tuple.13 = (f32[8]{0}, s32[3,4,20]{2,1,0}) tuple(%copy, %tables.1)
 }
 """
@@ -100,7 +104,12 @@ def test_state_copies_finds_each_copy_of_a_parameter_through_bitcasts_and_copies
     dump = tmp_path / "module_0001.jit__greedy_decode_step.sm_9.0_gpu_after_optimizations.txt"
     dump.write_text(STATE_COPIES_HLO)
     assert state_copies.main([str(tmp_path)]) == 0
-    assert "3 copies of parameters" in capsys.readouterr().out
+    assert state_copies.entry_census(STATE_COPIES_HLO) == {
+        "copy": 3, "copy-start": 1, "copy-done": 1, "fusion kLoop": 1, "fusion kCustom __triton_gemm": 1,
+        "custom-call __gpu$xla.gpu.triton": 2,
+    }  # fmt: skip
+    out = capsys.readouterr().out
+    assert "3 copies of parameters" in out and "entry runs 9: copy 3, custom-call __gpu$xla.gpu.triton 2," in out
     assert state_copies.main([str(tmp_path), "--module=prefill"]) == 2
     assert "no optimised module matching 'prefill'" in capsys.readouterr().err
 

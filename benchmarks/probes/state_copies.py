@@ -5,8 +5,8 @@
 DUMP: a directory or .tgz written with XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_module_re=..."
 (rank_h200.sh HLO_DUMP=1), or one `*after_optimizations.txt` file. For each matching module:
 its parameters that the entry computation copies (`copy` / `copy-start` of the parameter, through
-bitcasts, tuple elements and earlier copies), with shape and bytes, and how many parameters the
-module aliases to outputs. Why: a donated state array that XLA copies every step comes back in a
+bitcasts, tuple elements and earlier copies), with shape and bytes, how many parameters the
+module aliases to outputs, and what its entry runs by kind (entry_census). Why: a donated state array that XLA copies every step comes back in a
 new buffer, so its address moves between steps, and every CUDA-graph command using it must be
 updated (the c = 1 re-records of docs/PERFORMANCE.md, 2026-12-04 ninth session). Exit 2 when no
 module matches.
@@ -21,6 +21,7 @@ import re
 import sys
 import tarfile
 import tempfile
+from collections import Counter
 
 BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
          "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
@@ -73,6 +74,29 @@ def copied_parameters(text: str) -> tuple[list[dict], int, int]:
     return copies, len(params), aliased
 
 
+def entry_census(text: str) -> Counter:
+    """What the module's ENTRY computation runs, by kind: each instruction's opcode, a fusion's
+    kind (with its backend kind when the config names one, e.g. `fusion kCustom __triton_gemm`),
+    a custom call's target. Why: these are the thunks a command buffer records, so two programs'
+    censuses show which commands one has that the other lacks (the c = 1 re-records, eleventh
+    session). Parameters, constants, tuples and bitcasts run nothing and are left out."""
+    census = Counter()
+    for line in entry_lines(text):
+        match = _INSTRUCTION.match(line)
+        if not match or match.group(3) in ("parameter", "constant", "tuple", "get-tuple-element", "bitcast"):
+            continue
+        op = match.group(3)
+        if op == "fusion":
+            kind = re.search(r"kind=(\w+)", line)
+            backend = re.search(r'"kind":"(\w+)"', line)
+            op = " ".join(filter(None, (op, kind and kind.group(1), backend and backend.group(1))))
+        elif op == "custom-call":
+            target = re.search(r'custom_call_target="([^"]+)"', line)
+            op = f"{op} {target.group(1) if target else '?'}"
+        census[op] += 1
+    return census
+
+
 def module_files(dump: str, module: str) -> list[str]:
     """The optimised-HLO text files of modules whose name contains `module`."""
     if os.path.isfile(dump) and not dump.endswith((".tgz", ".tar.gz")):
@@ -97,12 +121,15 @@ def main(argv=None) -> int:
         return 2
     for path in files:
         with open(path) as f:
-            copies, num_params, aliased = copied_parameters(f.read())
+            text = f.read()
+        copies, num_params, aliased = copied_parameters(text)
         total = sum(c["bytes"] for c in copies)
         print(f"{os.path.basename(path)}: {num_params} parameters, {aliased} aliased to outputs, "
               f"{len(copies)} copies of parameters ({total / 1e6:.3f} MB)")  # fmt: skip
         for c in copies:
             print(f"  param {c['parameter']:>4} {c['name']:<40} {c['op']:<10} {c['shape']:<32} {c['bytes'] / 1e6:>10.3f} MB")
+        census = entry_census(text)
+        print(f"  entry runs {sum(census.values())}: " + ", ".join(f"{op} {n}" for op, n in census.most_common()))
     return 0
 
 

@@ -125,6 +125,10 @@ def resolved_shared_prefetch(parallel, implementation: str | None, shared_prefet
     return shared_prefetch_mode(shared_prefetch, implementation)
 
 
+# XLA options for a decode step without command buffers (CUDA graphs): SGLang's --disable-cuda-graph.
+NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
+
+
 class ModelRunner:
     """A model split once into (graph, params) with its jitted prefill and decode functions.
 
