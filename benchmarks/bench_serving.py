@@ -160,6 +160,12 @@ flags.DEFINE_string(
     ' \'{"xla_gpu_enable_command_buffer": ""}\' (no command buffers: at 61 layers HiSparse\'s step is faster'
     " without them and the baseline's slower); recorded in the JSON's setup.",
 )
+flags.DEFINE_integer(
+    "cuda_graph_max_bs", None,
+    "SGLang's --cuda-graph-max-bs: decode buckets of more slots compile without command buffers (both engines;"
+    " unset: every bucket as the options above); recorded in the JSON's setup.",
+    lower_bound=0,
+)
 flags.DEFINE_string("replot", None, "Only redraw the plots of this bench_serving.json into --output_dir (no JAX work).")
 
 # The budget assumption, stated in the output. An H200 has 141 GB of HBM. DeepSeek-V3.2 in FP8
@@ -286,13 +292,14 @@ def build() -> Setup:
                        bytes=hisparse.host_to_device_ratio * capacity["hisparse"] * B * row_bytes * config.num_layers,
                        rule="host_to_device_ratio x HiSparse's device pool (slots x device_buffer_size rows per layer)"),
         warm_steps=FLAGS.warm_steps, timed_steps=FLAGS.steps, decode_xla_options=xla_options,
-        hisparse_decode_xla_options=hisparse_xla_options,
+        hisparse_decode_xla_options=hisparse_xla_options, cuda_graph_max_bs=FLAGS.cuda_graph_max_bs,
     )  # fmt: skip
     log("capacity under the budget:", capacity)
     log("at 32k tokens:", {k: {m: v[m] for m in ("hisparse", "baseline")} for k, v in RESULTS["setup"]["capacity_at_32k"].items() if isinstance(v, dict)})
     save()
     runner = ModelRunner(
-        model, kv_cache_dtype=kv_cache_dtype, decode_compiler_options=xla_options, hisparse_decode_compiler_options=hisparse_xla_options
+        model, kv_cache_dtype=kv_cache_dtype, decode_compiler_options=xla_options, hisparse_decode_compiler_options=hisparse_xla_options,
+        cuda_graph_max_bs=FLAGS.cuda_graph_max_bs,
     )
     return Setup(runner, hisparse, context, context - FLAGS.warm_steps - FLAGS.steps, budget, capacity)
 

@@ -104,6 +104,7 @@ class ServingArgs:
     prefill_token_budget: int | None = None  # EngineConfig.prefill_token_budget: None prefills whole
     disable_overlap_schedule: bool = False  # SGLang's --disable-overlap-schedule (EngineConfig.overlap_schedule)
     disable_cuda_graph: bool = False  # SGLang's --disable-cuda-graph: the decode step without XLA command buffers
+    cuda_graph_max_bs: int | None = None  # SGLang's --cuda-graph-max-bs: larger decode buckets without them
     tp_size: int = 1  # SGLang's --tp-size, --dp-size, --enable-dp-attention (hisparse_jax.sharding)
     dp_size: int = 1
     enable_dp_attention: bool = False
@@ -198,14 +199,15 @@ def make_runner(model, args: ServingArgs, shared_prefetch: str | None = None):
     (shared_prefetch: --hisparse_config's key; None, the default)."""
     family = registry.family_of_config(model.config)
     if family.make_runner is not None:
-        if args.disable_cuda_graph:
-            raise UsageError(f"--disable_cuda_graph is not supported for {args.model} yet (DSA models only)")
+        for flag in ("disable_cuda_graph", "cuda_graph_max_bs"):
+            if getattr(args, flag) not in (False, None):
+                raise UsageError(f"--{flag} is not supported for {args.model} yet (DSA models only)")
         return family.make_runner(model, implementation=args.implementation)
     try:
         return ModelRunner(
             model, implementation=args.implementation, parallel=args.parallel, kv_cache_dtype=args.kv_cache_dtype,
             speculative=args.speculative, shared_prefetch=shared_prefetch,
-            decode_compiler_options=NO_COMMAND_BUFFERS if args.disable_cuda_graph else None,
+            decode_compiler_options=NO_COMMAND_BUFFERS if args.disable_cuda_graph else None, cuda_graph_max_bs=args.cuda_graph_max_bs,
         )  # fmt: skip
     except ParallelConfigError as error:  # too few devices for the mesh
         raise UsageError(f"--tp_size/--dp_size/--enable_dp_attention: {error}") from None

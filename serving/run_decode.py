@@ -116,6 +116,12 @@ _DISABLE_CUDA_GRAPH = flags.DEFINE_bool(
     " On DeepSeek-V3.2's 61-layer rank at 61,440 tokens this made HiSparse's step faster at 1 and 37 requests and the"
     " full-KV step slower (docs/PERFORMANCE.md, 2026-12-04 eleventh session); small models run better with them.",
 )  # fmt: skip
+_CUDA_GRAPH_MAX_BS = flags.DEFINE_integer(
+    "cuda_graph_max_bs", None,
+    "As SGLang's: decode batches (buckets) of more requests compile without command buffers, smaller ones with them"
+    " (default: every batch with them). DeepSeek-V3.2's rank at 131,072 tokens ran its 1-request HiSparse step faster"
+    " with graphs and its 20-request step without (docs/PERFORMANCE.md, eleventh session).",
+)  # fmt: skip
 _TP_SIZE = flags.DEFINE_integer("tp_size", 1, "Tensor parallelism: devices the dense and MoE weights are split over.")
 _DP_SIZE = flags.DEFINE_integer("dp_size", 1, "Data-parallel groups: each owns its requests, buffers and host pool block.")
 _ENABLE_DP_ATTENTION = flags.DEFINE_bool(
@@ -229,6 +235,7 @@ def main(argv):
             page_size=_PAGE_SIZE.value, output_dir=_OUTPUT_DIR.value, implementation=_IMPLEMENTATION.value,
             progress=_PROGRESS.value, batch_buckets=_BATCH_BUCKETS.value, prefill_token_budget=_PREFILL_TOKEN_BUDGET.value,
             disable_overlap_schedule=_DISABLE_OVERLAP_SCHEDULE.value, disable_cuda_graph=_DISABLE_CUDA_GRAPH.value,
+            cuda_graph_max_bs=_CUDA_GRAPH_MAX_BS.value,
             tp_size=_TP_SIZE.value, dp_size=_DP_SIZE.value,
             enable_dp_attention=_ENABLE_DP_ATTENTION.value, disaggregation_mode=_DISAGGREGATION_MODE.value,
             disaggregation_address=_DISAGGREGATION_ADDRESS.value, disaggregation_timeout_s=_DISAGGREGATION_TIMEOUT_S.value,

@@ -63,7 +63,8 @@ PD_DECODE_UNUSED = frozenset({"num_prompts", "eos_token_id", "compare_baseline",
 PD_PREFILL_UNUSED = frozenset(
     {"output_dir", "enable_hisparse", "hisparse_config", "compare_baseline", "device_buffer_sweep", "max_concurrency",
      "max_running_requests", "kv_budget_gb", "page_size", "batch_buckets", "prefill_token_budget",
-     "disable_overlap_schedule", "disable_cuda_graph", "synthetic_topk_overlap"}
+     "disable_overlap_schedule", "disable_cuda_graph", "cuda_graph_max_bs",
+     "synthetic_topk_overlap"}
 )  # fmt: skip
 
 # run_decode.py's modes and the flags each reads. Serving (colocated or a PD instance) reads every
@@ -185,6 +186,7 @@ _RULES = {
         _bool,
     ),  # fmt: skip
     "prefill_token_budget": _optional_positive_int,
+    "cuda_graph_max_bs": _optional_positive_int,
     "seed": _non_negative_int,
     "eos_token_id": _non_negative_int,
     "context_length": _context_length,

@@ -736,6 +736,24 @@ def test_decode_compiler_options_reach_the_decode_step_compile():
         generate(runner, prompt, 2)
 
 
+def test_cuda_graph_max_bs_compiles_larger_buckets_without_command_buffers():
+    """SGLang's --cuda-graph-max-bs: a step of b <= max_bs slots runs the jit with XLA's graphs,
+    a larger one the same step compiled without command buffers; the tokens do not change."""
+    model = DSAForCausalLM(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    runner = ModelRunner(model, prefill_chunk=32, cuda_graph_max_bs=1)
+    prompts = np.arange(18, dtype=np.int32).reshape(2, 9)
+    one = generate(runner, prompts[:1], 3)
+    (fns,) = runner._cache_fns.values()
+    with_graphs = fns["decode"]._cache_size()  # b = 1's programs
+    assert with_graphs >= 1 and fns["decode_without_graphs"]._cache_size() == 0
+    two = generate(runner, prompts, 3)
+    assert fns["decode"]._cache_size() == with_graphs and fns["decode_without_graphs"]._cache_size() >= 1  # b = 2
+    np.testing.assert_array_equal(two.tokens, generate(ModelRunner(model, prefill_chunk=32), prompts, 3).tokens)
+    np.testing.assert_array_equal(one.tokens, two.tokens[:1])
+    with pytest.raises(ValueError, match="cuda_graph_max_bs must be None or an integer >= 0, got -1"):
+        ModelRunner(model, cuda_graph_max_bs=-1)
+
+
 def test_hisparse_decode_compiler_options_reach_the_hisparse_step_alone():
     """hisparse_decode_compiler_options go to HiSparse caches' decode step alone: the dense step
     compiles without them, a HiSparse step with them (an unknown name is refused)."""

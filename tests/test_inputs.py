@@ -319,17 +319,20 @@ def test_the_overlap_schedule_switch_is_a_serving_flag():
         validation.check_flags(validation.CHECKPOINT_DECODING, flag_values(**changes), present=set(changes))
 
 
-def test_the_cuda_graph_switch_is_a_serving_flag_that_reaches_the_decode_compile():
-    # SGLang's --disable-cuda-graph: a boolean serving reads (the decode step compiles without
-    # XLA command buffers), checkpoint decoding refuses.
+def test_the_cuda_graph_switches_are_serving_flags_that_reach_the_decode_compile():
+    # SGLang's --disable-cuda-graph (the decode step compiles without XLA command buffers) and
+    # --cuda-graph-max-bs (buckets above it do): serving reads them, checkpoint decoding refuses.
     with pytest.raises(UsageError, match="--disable_cuda_graph must be true or false, got 'no'"):
         ServingArgs(disable_cuda_graph="no")
     model = DSAForCausalLM(DSAModelConfig.tiny(), dtype=jnp.float32, rngs=nnx.Rngs(0))
     assert make_runner(model, ServingArgs(disable_cuda_graph=True)).decode_compiler_options == NO_COMMAND_BUFFERS
     assert make_runner(model, ServingArgs()).decode_compiler_options == {}
-    changes = dict(disable_cuda_graph=True)
+    assert make_runner(model, ServingArgs(cuda_graph_max_bs=4)).cuda_graph_max_bs == 4
+    with pytest.raises(UsageError, match="--cuda_graph_max_bs must be a positive integer, got 0"):
+        ServingArgs(cuda_graph_max_bs=0)
+    changes = dict(disable_cuda_graph=True, cuda_graph_max_bs=4)
     validation.check_flags(validation.SERVING, flag_values(**changes), present=set(changes))
-    with pytest.raises(UsageError, match="--disable_cuda_graph is not used by checkpoint decoding"):
+    with pytest.raises(UsageError, match="--cuda_graph_max_bs, --disable_cuda_graph are not used by checkpoint decoding"):
         validation.check_flags(validation.CHECKPOINT_DECODING, flag_values(**changes), present=set(changes))
 
 

@@ -148,6 +148,7 @@ class ModelRunner:
         speculative=None,
         decode_compiler_options: dict | None = None,
         hisparse_decode_compiler_options: dict | None = None,
+        cuda_graph_max_bs: int | None = None,
     ):
         """parallel: tensor / data-parallel-attention layout (hisparse_jax.sharding); None or a
         single-device config runs on the default device. kv_cache_dtype: the caches' format
@@ -161,12 +162,18 @@ class ModelRunner:
         hisparse_decode_compiler_options: the same for caches with HiSparse alone (None: as
         decode_compiler_options). At 61 layers HiSparse's step runs faster without command
         buffers ({"xla_gpu_enable_command_buffer": ""}) and the dense step slower (docs/PERFORMANCE.md,
-        2026-12-04 eleventh session), so the two engines can differ."""
+        2026-12-04 eleventh session), so the two engines can differ. cuda_graph_max_bs: SGLang's
+        --cuda-graph-max-bs: decode steps of more than this many slots (the batch bucket b) compile
+        without command buffers, those up to it as above (None: every bucket as above). At
+        131,072 tokens HiSparse's c = 1 step was faster with graphs and its 20-request step without."""
         if speculative is not None:
             if model.mtp is None:
                 raise ValueError("speculative decoding needs the model's MTP layer (num_nextn_predict_layers = 0 here)")
             if parallel is not None and not parallel.is_single_device:
                 raise ValueError("speculative decoding runs on one device (no tensor / data-parallel mesh) yet")
+        if cuda_graph_max_bs is not None and (type(cuda_graph_max_bs) is not int or cuda_graph_max_bs < 0):
+            raise ValueError(f"cuda_graph_max_bs must be None or an integer >= 0, got {cuda_graph_max_bs!r}")
+        self.cuda_graph_max_bs = cuda_graph_max_bs
         self.speculative = speculative
         self.decode_compiler_options = dict(decode_compiler_options or {})
         self.hisparse_decode_compiler_options = (
@@ -225,6 +232,9 @@ class ModelRunner:
         kind = jax.tree.structure(cache.kv)
         if kind not in self._cache_fns:
             options = self.decode_compiler_options if isinstance(cache.kv, FullKVState) else self.hisparse_decode_compiler_options
+            step = functools.partial(
+                decode_step, self.graphdef, implementation=self.implementation, mesh=self.mesh, shared_prefetch=self.shared_prefetch
+            )
             kv_out = state_shardings(cache.kv)
             store = functools.partial(store_prefill_rows, implementation=self.implementation)
             if self.mesh is not None:  # only the owning data-parallel group writes, into its own pool
@@ -236,14 +246,12 @@ class ModelRunner:
                     _store_index_keys, donate_argnums=0, out_shardings=(cache.index_keys.sharding, cache.index_key_scales.sharding)
                 ),
                 move=jax.jit(move_request, donate_argnums=0, out_shardings=cache_shardings(cache)),
-                decode=self.jit_decode(
-                    cache,
-                    functools.partial(
-                        decode_step, self.graphdef, implementation=self.implementation, mesh=self.mesh, shared_prefetch=self.shared_prefetch
-                    ),
-                    **({"compiler_options": options} if options else {}),
-                ),
+                decode=self.jit_decode(cache, step, **({"compiler_options": options} if options else {})),
             )
+            if self.cuda_graph_max_bs is not None:  # the buckets above it: the same step, no graphs
+                self._cache_fns[kind]["decode_without_graphs"] = self.jit_decode(
+                    cache, step, compiler_options={**options, **NO_COMMAND_BUFFERS}
+                )
             if self.speculative is not None:
                 step = functools.partial(
                     speculative_step, self.graphdef, num_steps=self.speculative.num_steps, implementation=self.implementation
@@ -432,7 +440,8 @@ class ModelRunner:
             topk = jax.device_put(topk, NamedSharding(self.mesh, P(None, dp_sharding.REQUEST_AXIS)))
         previous = None if feed is None else feed.previous
         src = np.full(len(tokens), -1, np.int32) if feed is None else feed.src  # i32[b]: -1, the host's token
-        return self._jitted(cache)["decode"](
+        graphs = self.cuda_graph_max_bs is None or len(tokens) <= self.cuda_graph_max_bs
+        return self._jitted(cache)["decode" if graphs else "decode_without_graphs"](
             self._param_leaves,
             cache,
             self._put(tokens, jnp.int32, per_request=True),
