@@ -17,7 +17,7 @@ from flax import nnx
 from configs.model import DSAModelConfig
 from hisparse_jax.config import HiSparseConfig
 from serving import validation
-from serving.cli import ServingArgs, make_runner
+from serving.cli import ServingArgs, load_model, make_runner
 from serving.errors import UsageError
 from hisparse_jax.sharding import ParallelConfig
 from models import registry
@@ -330,6 +330,9 @@ def test_the_cuda_graph_switches_are_serving_flags_that_reach_the_decode_compile
     assert make_runner(model, ServingArgs(cuda_graph_max_bs=4)).cuda_graph_max_bs == 4
     with pytest.raises(UsageError, match="--cuda_graph_max_bs must be a positive integer, got 0"):
         ServingArgs(cuda_graph_max_bs=0)
+    v4_args = ServingArgs(model="deepseek_v4_tiny", dtype="float32", cuda_graph_max_bs=4)  # its family's runner
+    with pytest.raises(UsageError, match="--cuda_graph_max_bs is not supported for deepseek_v4_tiny yet"):
+        make_runner(load_model(v4_args)[0], v4_args)
     changes = dict(disable_cuda_graph=True, cuda_graph_max_bs=4)
     validation.check_flags(validation.SERVING, flag_values(**changes), present=set(changes))
     with pytest.raises(UsageError, match="--cuda_graph_max_bs, --disable_cuda_graph are not used by checkpoint decoding"):
