@@ -730,9 +730,10 @@ class Engine:
                 tokens, positions = np.zeros(b, np.int32), np.full(b, -1, np.int32)  # i32[b]: all inactive
                 if self.speculative is not None:
                     self.cache, result, self._carry = self.runner.speculative_greedy_step(self.cache, self._carry, positions)
-                else:
-                    topk = None if self.selector is None else self.selector.warm(b)
-                    self.cache, _, result = self.runner.greedy_step(self.cache, tokens, positions, topk)
+                else:  # every copy of the decode program (ModelRunner.decode_program_copies) runs once
+                    for _ in range(getattr(self.runner, "decode_program_copies", 1)):
+                        topk = None if self.selector is None else self.selector.warm(b)
+                        self.cache, _, result = self.runner.greedy_step(self.cache, tokens, positions, topk)
                 jax.device_get(result)
                 bar.update(1)
             if self.residency is not None:  # residency changes on a free slot: nothing to copy

@@ -754,6 +754,24 @@ def test_cuda_graph_max_bs_compiles_larger_buckets_without_command_buffers():
         ModelRunner(model, cuda_graph_max_bs=-1)
 
 
+def test_decode_program_copies_run_in_turn_with_the_same_tokens():
+    """decode_program_copies=2: two compiles of each decode program, run on alternate steps (each
+    keeps its own CUDA graph on the GPU); the tokens equal a single program's."""
+    model = DSAForCausalLM(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    runner = ModelRunner(model, prefill_chunk=32, decode_program_copies=2)
+    prompt = np.arange(9, dtype=np.int32)[None]
+    out = generate(runner, prompt, 5, hisparse=HISPARSE)
+    (fns,) = runner._cache_fns.values()
+    assert fns["decode"]._cache_size() >= 1 and fns["decode_copy1"]._cache_size() >= 1
+    np.testing.assert_array_equal(out.tokens, generate(ModelRunner(model, prefill_chunk=32), prompt, 5, hisparse=HISPARSE).tokens)
+    with pytest.raises(ValueError, match="decode_program_copies must be an integer >= 1, got 0"):
+        ModelRunner(model, decode_program_copies=0)
+    engine = Engine(ModelRunner(model, prefill_chunk=32, decode_program_copies=2), engine_config(HISPARSE, batch_buckets=True))
+    engine.compile_buckets()  # every copy of every bucket, so a timed run compiles nothing
+    (fns,) = engine.runner._cache_fns.values()
+    assert fns["decode"]._cache_size() == fns["decode_copy1"]._cache_size() == len(engine.buckets) > 1
+
+
 def test_hisparse_decode_compiler_options_reach_the_hisparse_step_alone():
     """hisparse_decode_compiler_options go to HiSparse caches' decode step alone: the dense step
     compiles without them, a HiSparse step with them (an unknown name is refused)."""

@@ -17,7 +17,7 @@ def test_bench_serving_smoke_runs_every_phase(tmp_path):
     done = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "bench_serving.py"), "--smoke", f"--output_dir={tmp_path}",
          "--steps=3", "--warm_steps=1", "--concurrency=1,16", "--time_budget_s=1000",
-         '--hisparse_decode_xla_options={"xla_gpu_enable_command_buffer": ""}', "--cuda_graph_max_bs=1"],
+         '--hisparse_decode_xla_options={"xla_gpu_enable_command_buffer": ""}', "--cuda_graph_max_bs=1", "--decode_program_copies=2"],
         capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -28,7 +28,7 @@ def test_bench_serving_smoke_runs_every_phase(tmp_path):
     assert capacity["hisparse"] > capacity["baseline"] >= 1
     assert results["setup"]["decode_xla_options"] == {}
     assert results["setup"]["hisparse_decode_xla_options"] == {"xla_gpu_enable_command_buffer": ""}
-    assert results["setup"]["cuda_graph_max_bs"] == 1
+    assert results["setup"]["cuda_graph_max_bs"] == 1 and results["setup"]["decode_program_copies"] == 2
     phases = {(p["phase"], p["mode"]) for p in results["points"]}
     assert phases == {("model", "hisparse"), ("model", "baseline"), ("synthetic", "hisparse"),
                       ("synthetic", "baseline"), ("equal_slots", "hisparse")}  # fmt: skip

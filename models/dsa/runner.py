@@ -149,6 +149,7 @@ class ModelRunner:
         decode_compiler_options: dict | None = None,
         hisparse_decode_compiler_options: dict | None = None,
         cuda_graph_max_bs: int | None = None,
+        decode_program_copies: int = 1,
     ):
         """parallel: tensor / data-parallel-attention layout (hisparse_jax.sharding); None or a
         single-device config runs on the default device. kv_cache_dtype: the caches' format
@@ -165,7 +166,13 @@ class ModelRunner:
         2026-12-04 eleventh session), so the two engines can differ. cuda_graph_max_bs: SGLang's
         --cuda-graph-max-bs: decode steps of more than this many slots (the batch bucket b) compile
         without command buffers, those up to it as above (None: every bucket as above). At
-        131,072 tokens HiSparse's c = 1 step was faster with graphs and its 20-request step without."""
+        131,072 tokens HiSparse's c = 1 step was faster with graphs and its 20-request step without.
+        decode_program_copies: k > 1 compiles each decode program that keeps its graphs k times
+        and runs the copies in turn, so each copy's CUDA graph meets the buffers of every k-th
+        step. XLA re-records a graph on every run whose buffers moved (at 61 layers 10-32 ms a
+        step at c = 1); under the overlap schedule a step's fresh buffers (inputs, outputs, temp)
+        may alternate between two places, and then 2 copies would each see the same ones every
+        time. A hypothesis to measure (docs/PERFORMANCE.md, eleventh session); k x the compiles."""
         if speculative is not None:
             if model.mtp is None:
                 raise ValueError("speculative decoding needs the model's MTP layer (num_nextn_predict_layers = 0 here)")
@@ -174,6 +181,10 @@ class ModelRunner:
         if cuda_graph_max_bs is not None and (type(cuda_graph_max_bs) is not int or cuda_graph_max_bs < 0):
             raise ValueError(f"cuda_graph_max_bs must be None or an integer >= 0, got {cuda_graph_max_bs!r}")
         self.cuda_graph_max_bs = cuda_graph_max_bs
+        if type(decode_program_copies) is not int or decode_program_copies < 1:
+            raise ValueError(f"decode_program_copies must be an integer >= 1, got {decode_program_copies!r}")
+        self.decode_program_copies = decode_program_copies
+        self._turn = {}  # (cache kind, b) -> the decode copy that ran last
         self.speculative = speculative
         self.decode_compiler_options = dict(decode_compiler_options or {})
         self.hisparse_decode_compiler_options = (
@@ -248,6 +259,10 @@ class ModelRunner:
                 move=jax.jit(move_request, donate_argnums=0, out_shardings=cache_shardings(cache)),
                 decode=self.jit_decode(cache, step, **({"compiler_options": options} if options else {})),
             )
+            for copy in range(1, self.decode_program_copies):  # a distinct function: its own compile and graph
+                self._cache_fns[kind][f"decode_copy{copy}"] = self.jit_decode(
+                    cache, functools.partial(step), **({"compiler_options": options} if options else {})
+                )
             if self.cuda_graph_max_bs is not None:  # the buckets above it: the same step, no graphs
                 self._cache_fns[kind]["decode_without_graphs"] = self.jit_decode(
                     cache, step, compiler_options={**options, **NO_COMMAND_BUFFERS}
@@ -441,7 +456,12 @@ class ModelRunner:
         previous = None if feed is None else feed.previous
         src = np.full(len(tokens), -1, np.int32) if feed is None else feed.src  # i32[b]: -1, the host's token
         graphs = self.cuda_graph_max_bs is None or len(tokens) <= self.cuda_graph_max_bs
-        return self._jitted(cache)["decode" if graphs else "decode_without_graphs"](
+        name = "decode" if graphs else "decode_without_graphs"
+        if graphs and self.decode_program_copies > 1:  # the copies in turn, per cache kind and bucket
+            key = (jax.tree.structure(cache.kv), len(tokens))
+            turn = self._turn[key] = (self._turn.get(key, -1) + 1) % self.decode_program_copies
+            name = f"decode_copy{turn}" if turn else "decode"
+        return self._jitted(cache)[name](
             self._param_leaves,
             cache,
             self._put(tokens, jnp.int32, per_request=True),
