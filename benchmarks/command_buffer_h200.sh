@@ -13,6 +13,8 @@
 #                  (a graph holds them as stream-captured nodes, which an update captures again)
 #   no_cublas_decode   the same for the decode step's compile alone
 #   off_decode     no command buffers in the decode step's compile alone (op by op: no re-record)
+#   copies2        two compiles of each decode program, run on alternate steps (bench_serving
+#                  --decode_program_copies=2): does each copy's graph stop being re-recorded?
 # (skip_temp and skip_profiled segfault in jaxlib 0.11.2 on the H200: docs/PERFORMANCE.md, 2026-12-03.)
 # LAYERS (12) keeps two variants' engines in one call (~140 s each at 12 layers); RUN_TIMEOUT (250 s)
 # bounds each variant, and its bench_serving budget follows it (at 200 s the baseline's segment was
@@ -43,6 +45,7 @@ declare -A DECODE_OPTIONS_OF=(
   [no_cublas_decode]='{"xla_gpu_enable_command_buffer": "-CUBLAS,-CUBLASLT"}'
   [off_decode]='{"xla_gpu_enable_command_buffer": ""}'
 )
+declare -A ARGS_OF=([copies2]="--decode_program_copies=2")
 # CB_VLOG=1: XLA's command_buffer_thunk logs every re-record with its command count and how many
 # allocations moved; command_buffer_updates.txt counts them per command buffer (by size).
 [[ ${CB_VLOG:-0} == 1 ]] && export TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0
@@ -50,7 +53,7 @@ for variant in ${VARIANTS:-default}; do
   mkdir -p "$OUT/$variant"
   XLA_FLAGS="${XLA_FLAGS:-} ${FLAGS_OF[$variant]:-}" timeout ${RUN_TIMEOUT:-250} python3 benchmarks/bench_serving.py \
     --num_layers=${LAYERS:-12} --kv_cache_dtype=fp8_e4m3 --phases=synthetic --concurrency=${CONCURRENCY:-1} \
-    --warm_steps=3 --steps=12 --profile_steps=${PROFILE_STEPS:-3} --profile_running=1 --time_budget_s=$((${RUN_TIMEOUT:-250} - 10)) --output_dir="$OUT/$variant" --decode_xla_options="${DECODE_OPTIONS_OF[$variant]:-}" "$@" 2>&1 \
+    --warm_steps=3 --steps=12 --profile_steps=${PROFILE_STEPS:-3} --profile_running=1 --time_budget_s=$((${RUN_TIMEOUT:-250} - 10)) --output_dir="$OUT/$variant" --decode_xla_options="${DECODE_OPTIONS_OF[$variant]:-}" ${ARGS_OF[$variant]:-} "$@" 2>&1 \
     | tee "$OUT/$variant/run.log" | grep -v "^WARNING\|^I1\|^W1" | grep "ready\|c=\|step ~\|hisparse / baseline\|error\|Error\|skip" | sed "s/^/[$variant] /"
   if [[ ${CB_VLOG:-0} == 1 ]]; then
     python3 benchmarks/probes/command_buffer_updates.py "$OUT/$variant/run.log" | tee "$OUT/$variant/command_buffer_updates.txt"
