@@ -14,8 +14,9 @@
 # SGLang runs them; 0: the dequantised-weights numbers), PROFILE_RUNNING (1: the step split at c = 1
 # as well as at capacity), EXTRA_XLA_FLAGS, CB_VLOG (1: XLA logs each command-buffer re-record;
 # command_buffer_updates.txt counts them per buffer), HISPARSE_XLA_OPTIONS (HiSparse's decode step's
-# XLA options; default no command buffers, which at 61 layers made its step faster at c = 1 and at
-# capacity while the baseline's got slower: PERFORMANCE.md, eleventh session; "" for XLA's defaults),
+# XLA options; DeepSeek-V3.2's default is no command buffers, which at 61 layers made its step faster at
+# c = 1 and at capacity while the baseline's got slower: PERFORMANCE.md, eleventh session; GLM-5.1's
+# default is XLA's own, as its 78-layer c = 1 launches were not measured without graphs; "" for XLA's),
 # CUDA_GRAPH_MAX_BS (SGLang's --cuda-graph-max-bs, both engines: buckets of more slots without graphs),
 # DECODE_PROGRAM_COPIES (2: two compiles of each graph-keeping decode program, run on alternate steps).
 # bench_serving writes state_copies.txt (the
@@ -34,7 +35,8 @@ export XLA_FLAGS="${XLA_FLAGS:-} ${EXTRA_XLA_FLAGS:-}"  # e.g. --xla_gpu_command
 [[ ${CB_VLOG:-0} == 1 ]] && export TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0
 ACT=$([[ ${FP8_ACTIVATIONS:-1} == 1 ]] && echo --fp8_activations || echo --nofp8_activations)
 NO_COMMAND_BUFFERS='{"xla_gpu_enable_command_buffer": ""}'
-HISPARSE_XLA_OPTIONS=${HISPARSE_XLA_OPTIONS-$NO_COMMAND_BUFFERS}
+[[ ${PRESET:-deepseek-v3.2-dp8-rank} == deepseek* ]] && DEFAULT_HISPARSE_XLA_OPTIONS=$NO_COMMAND_BUFFERS
+HISPARSE_XLA_OPTIONS=${HISPARSE_XLA_OPTIONS-${DEFAULT_HISPARSE_XLA_OPTIONS:-}}
 
 run_context() {  # $1: context, $2: output dir, $3: a bench_serving.json to merge (or ""), $4: seconds
   local merge=${3:+--merge_from=$3}
