@@ -16,7 +16,8 @@
 # command_buffer_updates.txt counts them per buffer), HISPARSE_XLA_OPTIONS (HiSparse's decode step's
 # XLA options; DeepSeek-V3.2's default is no command buffers, which at 61 layers made its step faster at
 # c = 1 and at capacity while the baseline's got slower: PERFORMANCE.md, eleventh session; GLM-5.1's
-# default is XLA's own, as its 78-layer c = 1 launches were not measured without graphs; "" for XLA's),
+# default is XLA's own, as its 78-layer c = 1 launches were not measured without graphs; "": the
+# baseline's options, XLA's own unless --decode_xla_options is given),
 # CUDA_GRAPH_MAX_BS (SGLang's --cuda-graph-max-bs, both engines: buckets of more slots without graphs),
 # DECODE_PROGRAM_COPIES (2: two compiles of each graph-keeping decode program, run on alternate steps).
 # bench_serving writes state_copies.txt (the
@@ -37,6 +38,8 @@ ACT=$([[ ${FP8_ACTIVATIONS:-1} == 1 ]] && echo --fp8_activations || echo --nofp8
 NO_COMMAND_BUFFERS='{"xla_gpu_enable_command_buffer": ""}'
 [[ ${PRESET:-deepseek-v3.2-dp8-rank} == deepseek* ]] && DEFAULT_HISPARSE_XLA_OPTIONS=$NO_COMMAND_BUFFERS
 HISPARSE_XLA_OPTIONS=${HISPARSE_XLA_OPTIONS-${DEFAULT_HISPARSE_XLA_OPTIONS:-}}
+HISPARSE_ARGS=()  # unset or "": HiSparse takes --decode_xla_options (an extra argument) as the baseline does
+[[ -n $HISPARSE_XLA_OPTIONS ]] && HISPARSE_ARGS=(--hisparse_decode_xla_options="$HISPARSE_XLA_OPTIONS")
 
 run_context() {  # $1: context, $2: output dir, $3: a bench_serving.json to merge (or ""), $4: seconds
   local merge=${3:+--merge_from=$3}
@@ -44,7 +47,7 @@ run_context() {  # $1: context, $2: output dir, $3: a bench_serving.json to merg
   timeout "$4" python3 benchmarks/bench_serving.py --preset=${PRESET:-deepseek-v3.2-dp8-rank} \
     --kv_cache_dtype=fp8_e4m3 --context="$1" --phases=synthetic --concurrency=${CONCURRENCY:-1,64} \
     --profile_steps=3 --profile_running=${PROFILE_RUNNING:-1} --warm_steps=3 --steps=8 --modes=${MODE:-baseline} $ACT $merge \
-    --hisparse_decode_xla_options="$HISPARSE_XLA_OPTIONS" ${CUDA_GRAPH_MAX_BS:+--cuda_graph_max_bs=$CUDA_GRAPH_MAX_BS} \
+    "${HISPARSE_ARGS[@]}" ${CUDA_GRAPH_MAX_BS:+--cuda_graph_max_bs=$CUDA_GRAPH_MAX_BS} \
     --decode_program_copies=${DECODE_PROGRAM_COPIES:-1} \
     --time_budget_s=$(($4 - 20)) --output_dir="$2" "${EXTRA_ARGS[@]}" 2>&1 | tee "$2/rank.log" | grep -v "^WARNING\|^I1" | tail -40
   if [[ ${CB_VLOG:-0} == 1 ]]; then
