@@ -731,8 +731,8 @@ class Engine:
                 if self.speculative is not None:
                     self.cache, result, self._carry = self.runner.speculative_greedy_step(self.cache, self._carry, positions)
                 else:  # every copy of the decode program (ModelRunner.decode_program_copies) runs once
-                    for _ in range(getattr(self.runner, "decode_program_copies", 1)):
-                        topk = None if self.selector is None else self.selector.warm(b)
+                    topk = None if self.selector is None else self.selector.warm(b)
+                    for _ in range(self.runner.decode_program_copies):
                         self.cache, _, result = self.runner.greedy_step(self.cache, tokens, positions, topk)
                 jax.device_get(result)
                 bar.update(1)

@@ -185,6 +185,8 @@ class ModelRunner:
             raise ValueError(f"decode_program_copies must be an integer >= 1, got {decode_program_copies!r}")
         self.decode_program_copies = decode_program_copies
         self._turn = {}  # (cache kind, b) -> the decode copy that ran last
+        # The jits the copies run as, in turn: "decode" itself first
+        self._decode_copy_names = ("decode",) + tuple(f"decode_copy{i}" for i in range(1, decode_program_copies))
         self.speculative = speculative
         self.decode_compiler_options = dict(decode_compiler_options or {})
         self.hisparse_decode_compiler_options = (
@@ -243,9 +245,10 @@ class ModelRunner:
         kind = jax.tree.structure(cache.kv)
         if kind not in self._cache_fns:
             options = self.decode_compiler_options if isinstance(cache.kv, FullKVState) else self.hisparse_decode_compiler_options
-            step = functools.partial(
+            decode = functools.partial(
                 decode_step, self.graphdef, implementation=self.implementation, mesh=self.mesh, shared_prefetch=self.shared_prefetch
             )
+            graph_options = {"compiler_options": options} if options else {}
             kv_out = state_shardings(cache.kv)
             store = functools.partial(store_prefill_rows, implementation=self.implementation)
             if self.mesh is not None:  # only the owning data-parallel group writes, into its own pool
@@ -257,15 +260,13 @@ class ModelRunner:
                     _store_index_keys, donate_argnums=0, out_shardings=(cache.index_keys.sharding, cache.index_key_scales.sharding)
                 ),
                 move=jax.jit(move_request, donate_argnums=0, out_shardings=cache_shardings(cache)),
-                decode=self.jit_decode(cache, step, **({"compiler_options": options} if options else {})),
+                decode=self.jit_decode(cache, decode, **graph_options),
             )
-            for copy in range(1, self.decode_program_copies):  # a distinct function: its own compile and graph
-                self._cache_fns[kind][f"decode_copy{copy}"] = self.jit_decode(
-                    cache, functools.partial(step), **({"compiler_options": options} if options else {})
-                )
+            for name in self._decode_copy_names[1:]:  # a distinct function each: its own compile and graph
+                self._cache_fns[kind][name] = self.jit_decode(cache, functools.partial(decode), **graph_options)
             if self.cuda_graph_max_bs is not None:  # the buckets above it: the same step, no graphs
                 self._cache_fns[kind]["decode_without_graphs"] = self.jit_decode(
-                    cache, step, compiler_options={**options, **NO_COMMAND_BUFFERS}
+                    cache, decode, compiler_options={**options, **NO_COMMAND_BUFFERS}
                 )
             if self.speculative is not None:
                 step = functools.partial(
@@ -455,13 +456,14 @@ class ModelRunner:
             topk = jax.device_put(topk, NamedSharding(self.mesh, P(None, dp_sharding.REQUEST_AXIS)))
         previous = None if feed is None else feed.previous
         src = np.full(len(tokens), -1, np.int32) if feed is None else feed.src  # i32[b]: -1, the host's token
-        graphs = self.cuda_graph_max_bs is None or len(tokens) <= self.cuda_graph_max_bs
-        name = "decode" if graphs else "decode_without_graphs"
-        if graphs and self.decode_program_copies > 1:  # the copies in turn, per cache kind and bucket
+        fns = self._jitted(cache)
+        if self.cuda_graph_max_bs is not None and len(tokens) > self.cuda_graph_max_bs:
+            step = fns["decode_without_graphs"]
+        else:  # the copies in turn, per cache kind and bucket (one copy: always "decode")
             key = (jax.tree.structure(cache.kv), len(tokens))
             turn = self._turn[key] = (self._turn.get(key, -1) + 1) % self.decode_program_copies
-            name = f"decode_copy{turn}" if turn else "decode"
-        return self._jitted(cache)[name](
+            step = fns[self._decode_copy_names[turn]]
+        return step(
             self._param_leaves,
             cache,
             self._put(tokens, jnp.int32, per_request=True),
