@@ -33,7 +33,8 @@ if (( LONGEST >= 131072 )); then
 fi
 MEM_FRACTION=${MEM_FRACTION:-0.95} source benchmarks/gpu_wheels/env.sh
 export XLA_FLAGS="${XLA_FLAGS:-} ${EXTRA_XLA_FLAGS:-}"  # e.g. --xla_gpu_command_buffer_update_mode=SKIP_PROFILED
-[[ ${CB_VLOG:-0} == 1 ]] && export TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0
+# CB_VMODULE: more of XLA's logs with CB_VLOG, e.g. gpu_executable_va_remap_allocator=3 (what SKIP_PROFILED remaps)
+[[ ${CB_VLOG:-0} == 1 ]] && export TF_CPP_VMODULE=command_buffer_thunk=3${CB_VMODULE:+,$CB_VMODULE} TF_CPP_MIN_LOG_LEVEL=0
 ACT=$([[ ${FP8_ACTIVATIONS:-1} == 1 ]] && echo --fp8_activations || echo --nofp8_activations)
 NO_COMMAND_BUFFERS='{"xla_gpu_enable_command_buffer": ""}'
 [[ ${PRESET:-deepseek-v3.2-dp8-rank} == deepseek* ]] && DEFAULT_HISPARSE_XLA_OPTIONS=$NO_COMMAND_BUFFERS
