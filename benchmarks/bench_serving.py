@@ -172,11 +172,6 @@ flags.DEFINE_integer(
     " run in turn (does a copy per step parity stop XLA's per-step graph re-records?); recorded in the JSON's setup.",
     lower_bound=1,
 )
-flags.DEFINE_bool(
-    "stage_step_inputs", True,
-    "ModelRunner(stage_step_inputs): the decode step reads its per-step inputs from a buffer it keeps from step to"
-    " step, so a CUDA graph's layers never see a moved input; recorded in the JSON's setup.",
-)
 flags.DEFINE_string("replot", None, "Only redraw the plots of this bench_serving.json into --output_dir (no JAX work).")
 
 # The budget assumption, stated in the output. An H200 has 141 GB of HBM. DeepSeek-V3.2 in FP8
@@ -304,7 +299,7 @@ def build() -> Setup:
                        rule="host_to_device_ratio x HiSparse's device pool (slots x device_buffer_size rows per layer)"),
         warm_steps=FLAGS.warm_steps, timed_steps=FLAGS.steps, decode_xla_options=xla_options,
         hisparse_decode_xla_options=hisparse_xla_options, cuda_graph_max_bs=FLAGS.cuda_graph_max_bs,
-        decode_program_copies=FLAGS.decode_program_copies, stage_step_inputs=FLAGS.stage_step_inputs,
+        decode_program_copies=FLAGS.decode_program_copies,
     )  # fmt: skip
     log("capacity under the budget:", capacity)
     log("at 32k tokens:", {k: {m: v[m] for m in ("hisparse", "baseline")} for k, v in RESULTS["setup"]["capacity_at_32k"].items() if isinstance(v, dict)})
@@ -312,7 +307,6 @@ def build() -> Setup:
     runner = ModelRunner(
         model, kv_cache_dtype=kv_cache_dtype, decode_compiler_options=xla_options, hisparse_decode_compiler_options=hisparse_xla_options,
         cuda_graph_max_bs=FLAGS.cuda_graph_max_bs, decode_program_copies=FLAGS.decode_program_copies,
-        stage_step_inputs=FLAGS.stage_step_inputs,
     )
     return Setup(runner, hisparse, context, context - FLAGS.warm_steps - FLAGS.steps, budget, capacity)
 

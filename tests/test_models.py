@@ -7,7 +7,6 @@ has a margin >= 10x float32 round-off, so they must all match exactly.
 """
 
 import os
-import re
 import subprocess
 import sys
 
@@ -21,7 +20,7 @@ from configs.model import DSAModelConfig
 from hisparse_jax import memory
 from hisparse_jax.config import HiSparseConfig
 from models.dsa.model import DSAForCausalLM, forward
-from models.dsa.runner import ModelRunner, staged_input_size
+from models.dsa.runner import ModelRunner
 from models.dsa.decoding import create_cache
 from models.dsa.generate import generate
 from models.dsa.loading import load_hf_checkpoint
@@ -223,29 +222,3 @@ def test_compiled_decode_step_holds_no_copy_of_the_host_pool_or_key_cache(implem
         shape = f"{jnp.dtype(array.dtype).name.replace('float', 'f')}[{','.join(map(str, array.shape))}]"
         assert shape in compiled
         assert memory.hlo_copy_lines(compiled, shape) == []
-
-
-def _entry_uses(hlo: str, shape: str) -> int:
-    """How many instructions of the module's ENTRY read the parameter of this shape (one such)."""
-    entry = hlo[hlo.index("\nENTRY") : hlo.find("\n}", hlo.index("\nENTRY"))].splitlines()[1:]
-    (name,) = [line.split("=")[0].strip().lstrip("%") for line in entry if f"= {shape}" in line and "parameter(" in line]
-    return sum(1 for line in entry if re.search(rf"%{re.escape(name)}\b", line.split("=", 1)[1]))
-
-
-@pytest.mark.parametrize("stage", [True, False])
-def test_staged_decode_step_reads_its_fresh_inputs_once(stage):
-    # The staged step copies its per-step inputs into a buffer it keeps from step to step, and
-    # every layer reads them there: a CUDA graph then re-records one copy, not every layer's
-    # commands, when the fresh buffers move (ModelRunner(stage_step_inputs)). Unstaged, each
-    # indexer layer reads the top-k override itself.
-    config = DSAModelConfig.tiny()
-    runner = ModelRunner(DSAForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0)), implementation="reference", stage_step_inputs=stage)
-    cache = runner.create_cache(num_requests=4, max_context=128, hisparse=HiSparseConfig(top_k=config.index_topk), page_size=16)
-    J, b, K = len(config.full_indexer_layers), 2, config.index_topk
-    topk = jnp.zeros((J, b, K), jnp.int32)
-    tokens, previous = jnp.zeros(b, jnp.int32), jnp.zeros(4, jnp.int32)
-    staging = jnp.zeros(staged_input_size(b, 4, topk.shape), jnp.int32) if stage else None
-    fn = runner._jitted(cache)["decode"]
-    hlo = fn.lower(runner._param_leaves, cache, tokens, tokens, topk, previous, tokens, staging).compile().as_text()
-    uses = _entry_uses(hlo, f"s32[{J},{b},{K}]")
-    assert uses == 1 if stage else uses >= J, uses

@@ -84,45 +84,13 @@ def _store_index_keys(cache_keys, j, request, keys, key_scales, prompt_len):
     return write_index_keys(index_keys, index_key_scales, j, request, target, keys, key_scales)
 
 
-def _greedy_decode_step(step, treedef, params, cache, tokens, positions, topk=None, previous=None, src=None, staging=None):
+def _greedy_decode_step(step, treedef, params, cache, tokens, positions, topk=None, previous=None, src=None):
     """A whole engine decode step in one jit: the input tokens fed on the device (fed_tokens:
     previous i32[R], src i32[b]), `step` (decode_step, graphdef and keywords bound), the greedy
-    tokens and summed counts -> (cache, logits f32[b, V], StepTelemetry, StepResult, staging).
-    params: the runner's leaves (flat_params) or an nnx.State. staging: None, or i32[n + 1]
-    (donated; staged_input_size) that the step's integer inputs are first written into and then
-    read from (stage_step_inputs), returned for the next step."""
-    if staging is not None:
-        tokens, positions, topk, previous, src, staging = stage_step_inputs(staging, tokens, positions, topk, previous, src)
+    tokens and summed counts -> (cache, logits f32[b, V], StepTelemetry, StepResult). params: the
+    runner's leaves (flat_params) or an nnx.State."""
     cache, logits, telemetry = step(unflat_params(treedef, params), cache, fed_tokens(tokens, previous, src), positions, topk)
-    return cache, logits, telemetry, step_result(logits, telemetry, cache.kv.num_requests), staging
-
-
-def staged_input_size(b: int, num_previous: int, topk_shape: tuple | None) -> int:
-    """The length of a step's staging buffer: tokens, positions and src (b each), previous (its R)
-    and the topk override (J x b x K, or none), plus one element so the write is a partial one."""
-    return 3 * b + num_previous + (int(np.prod(topk_shape)) if topk_shape is not None else 0) + 1
-
-
-def stage_step_inputs(staging, tokens, positions, topk, previous, src):
-    """Writes the step's fresh integer inputs into `staging` (i32[n + 1], donated, so it keeps
-    its device address from step to step) and returns them read back out of it, with it.
-
-    Why: XLA re-records a CUDA graph's commands that use a buffer whose address moved since the
-    last run, and every step's inputs are fresh buffers; positions and the topk override are read
-    by every layer, so each step re-records thousands of commands (HiSparse at 61 layers: 22-33 ms
-    at c = 1, docs/PERFORMANCE.md). Staged, one copy reads the fresh buffers and the layers read
-    the stable one. The spare last element keeps the write partial (a whole-buffer write would
-    be simplified into the fresh input itself), and the optimization barrier keeps XLA from
-    reading the pieces from the fresh inputs instead."""
-    pieces = [tokens, positions, src, previous] + ([topk] if topk is not None else [])
-    fresh = jnp.concatenate([jnp.asarray(x, jnp.int32).reshape(-1) for x in pieces])  # i32[n]
-    staging = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(staging, fresh, (0,)))
-    out, offset = [], 0
-    for x in pieces:
-        out.append(staging[offset : offset + x.size].reshape(x.shape))
-        offset += x.size
-    tokens, positions, src, previous = out[:4]
-    return tokens, positions, out[4] if topk is not None else None, previous, src, staging
+    return cache, logits, telemetry, step_result(logits, telemetry, cache.kv.num_requests)
 
 
 def _prefill_draft_layer(graphdef, params, h_last, tokens, first_token, prompt_len, *, chunk, key_dtype):
@@ -182,7 +150,6 @@ class ModelRunner:
         hisparse_decode_compiler_options: dict | None = None,
         cuda_graph_max_bs: int | None = None,
         decode_program_copies: int = 1,
-        stage_step_inputs: bool | None = None,
     ):
         """parallel: tensor / data-parallel-attention layout (hisparse_jax.sharding); None or a
         single-device config runs on the default device. kv_cache_dtype: the caches' format
@@ -205,11 +172,7 @@ class ModelRunner:
         step. XLA re-records a graph on every run whose buffers moved (at 61 layers 10-32 ms a
         step at c = 1); under the overlap schedule a step's fresh buffers (inputs, outputs, temp)
         may alternate between two places, and then 2 copies would each see the same ones every
-        time. A hypothesis to measure (docs/PERFORMANCE.md, eleventh session); k x the compiles.
-        stage_step_inputs: the decode step writes its integer inputs into a buffer it keeps from
-        step to step and the layers read them there (stage_step_inputs above), so a graph's
-        layers never see a moved input. None: on for one device (over a mesh the inputs are
-        split over the requests' axis, and the step is as before)."""
+        time. A hypothesis to measure (docs/PERFORMANCE.md, eleventh session); k x the compiles."""
         if speculative is not None:
             if model.mtp is None:
                 raise ValueError("speculative decoding needs the model's MTP layer (num_nextn_predict_layers = 0 here)")
@@ -222,11 +185,6 @@ class ModelRunner:
             raise ValueError(f"decode_program_copies must be an integer >= 1, got {decode_program_copies!r}")
         self.decode_program_copies = decode_program_copies
         self._turn = {}  # (cache kind, b) -> the decode copy that ran last
-        single_device = parallel is None or parallel.is_single_device
-        if stage_step_inputs and not single_device:
-            raise ValueError("stage_step_inputs runs on one device (no tensor / data-parallel mesh)")
-        self.stage_inputs = single_device if stage_step_inputs is None else bool(stage_step_inputs)
-        self._staging = {}  # (cache kind, b, topk shape or None) -> i32[n + 1], the last step's
         # The jits the copies run as, in turn: "decode" itself first
         self._decode_copy_names = ("decode",) + tuple(f"decode_copy{i}" for i in range(1, decode_program_copies))
         self.speculative = speculative
@@ -338,8 +296,8 @@ class ModelRunner:
         rest = memory.sharding(memory.DEVICE) if self.mesh is None else None
         return jax.jit(
             functools.partial(_greedy_decode_step, step, self._param_treedef),
-            donate_argnames=("cache", "staging"),
-            out_shardings=(cache_shardings(cache), rest, rest, self._result_shardings(), rest),
+            donate_argnums=1,
+            out_shardings=(cache_shardings(cache), rest, rest, self._result_shardings()),
             **options,
         )
 
@@ -499,33 +457,21 @@ class ModelRunner:
         previous = None if feed is None else feed.previous
         src = np.full(len(tokens), -1, np.int32) if feed is None else feed.src  # i32[b]: -1, the host's token
         fns = self._jitted(cache)
-        key = (jax.tree.structure(cache.kv), len(tokens))
         if self.cuda_graph_max_bs is not None and len(tokens) > self.cuda_graph_max_bs:
             step = fns["decode_without_graphs"]
         else:  # the copies in turn, per cache kind and bucket (one copy: always "decode")
+            key = (jax.tree.structure(cache.kv), len(tokens))
             turn = self._turn[key] = (self._turn.get(key, -1) + 1) % self.decode_program_copies
             step = fns[self._decode_copy_names[turn]]
-        previous = self._no_tokens(cache.kv.num_requests) if previous is None else previous
-        staging = None
-        if self.stage_inputs:  # one buffer per bucket and input shapes, handed from step to step
-            staging_key = (*key, previous.shape[0], None if topk is None else tuple(topk.shape))
-            staging = self._staging.pop(staging_key, None)
-            if staging is None:
-                size = staged_input_size(len(tokens), previous.shape[0], staging_key[-1])
-                staging = jax.device_put(np.zeros(size, np.int32), memory.sharding(memory.DEVICE))
-        cache, logits, telemetry, result, staging = step(
+        return step(
             self._param_leaves,
             cache,
             self._put(tokens, jnp.int32, per_request=True),
             self._put(positions, jnp.int32, per_request=True),
             topk,
-            previous,
+            self._no_tokens(cache.kv.num_requests) if previous is None else previous,
             self._put(src, jnp.int32, per_request=True),
-            staging,
         )
-        if staging is not None:
-            self._staging[staging_key] = staging
-        return cache, logits, telemetry, result
 
 
 class LayerwisePrefill(PrefillJob):
