@@ -539,15 +539,23 @@ def ratios() -> list[dict]:
     return out
 
 
+def capacity_ratio(points: list[dict], capacity: dict) -> float | None:
+    """HiSparse's SYNTHETIC-selection throughput with its capacity running over the baseline's
+    with its own, whatever concurrency caps reached them (two merged runs may have asked for
+    different ones); None unless both points exist."""
+    at_capacity = {p["mode"]: p["decode_throughput"] for p in points
+                   if p["phase"] == "synthetic" and p["mode"] in capacity and p["running"] == capacity[p["mode"]]}  # fmt: skip
+    return at_capacity["hisparse"] / at_capacity["baseline"] if len(at_capacity) == 2 else None
+
+
 def rank_summary(setup: Setup) -> list[dict]:
     """The headline per context: capacities and the SYNTHETIC-selection throughput ratios at
     capacity and at c = 1 (issue 21's summary rows)."""
     synthetic = [r for r in RESULTS.get("ratios", []) if r["phase"] == "synthetic"]
-    at = lambda c: next((r["ratio"] for r in synthetic if r["max_concurrency"] == c), None)  # noqa: E731
-    cap = setup.capacity["hisparse"]
-    at_capacity = next((r["ratio"] for r in sorted(synthetic, key=lambda r: -r["max_concurrency"]) if r["max_concurrency"] >= cap), None)
-    return [dict(preset=FLAGS.preset, kv_cache_dtype=FLAGS.kv_cache_dtype, context=setup.context, capacity_hisparse=cap,
-                 capacity_baseline=setup.capacity["baseline"], ratio_at_capacity=at_capacity, ratio_c1=at(1))]  # fmt: skip
+    c1 = next((r["ratio"] for r in synthetic if r["max_concurrency"] == 1), None)
+    capacity = {mode: setup.capacity[mode] for mode in ("hisparse", "baseline")}
+    return [dict(preset=FLAGS.preset, kv_cache_dtype=FLAGS.kv_cache_dtype, context=setup.context, capacity_hisparse=capacity["hisparse"],
+                 capacity_baseline=capacity["baseline"], ratio_at_capacity=capacity_ratio(RESULTS["points"], capacity), ratio_c1=c1)]  # fmt: skip
 
 
 def step_cost_fit() -> list[dict]:

@@ -76,6 +76,12 @@ def test_bench_serving_merges_a_run_of_the_other_engine(tmp_path):
     assert {p["mode"] for p in merged["points"]} == {"hisparse", "baseline"}
     assert merged["merged_from"]["modes"] == ["baseline"]
     assert merged["setup"]["hisparse_config"]["miss_read"] == "attention"
+    # Each engine's capacity point was reached under its own concurrency cap (12 and 6 slots):
+    # the summary's ratio at capacity still pairs them.
+    capacity = merged["setup"]["capacity"]
+    at_capacity = {p["mode"]: p["decode_throughput"] for p in merged["points"] if p["running"] == capacity[p["mode"]]}
+    assert capacity["hisparse"] != capacity["baseline"] and set(at_capacity) == {"hisparse", "baseline"}
+    assert merged["summary"][0]["ratio_at_capacity"] == at_capacity["hisparse"] / at_capacity["baseline"]
     # HiSparse points read with "attention" do not merge into a run set up with "copy".
     merged["points"] = [p for p in merged["points"] if p["mode"] == "hisparse"]
     with open(tmp_path / "hisparse_attention.json", "w") as f:
