@@ -63,6 +63,7 @@ from benchmarks.probes import state_copies  # noqa: E402
 from benchmarks.helpers import bench_model_config, ep8_rank_config, log  # noqa: E402
 from configs.model import DSAModelConfig  # noqa: E402
 from hisparse_jax.config import HiSparseConfig, ResidencyConfig  # noqa: E402
+from models.common.buffer_addresses import BufferAddressLog  # noqa: E402
 from models.dsa.footprint import DeviceFootprint  # noqa: E402
 from models.dsa.model import DSAForCausalLM  # noqa: E402
 from models.dsa.runner import ModelRunner  # noqa: E402
@@ -171,6 +172,11 @@ flags.DEFINE_integer(
     "ModelRunner(decode_program_copies): each decode program that keeps its graphs compiled this many times and"
     " run in turn (does a copy per step parity stop XLA's per-step graph re-records?); recorded in the JSON's setup.",
     lower_bound=1,
+)
+flags.DEFINE_bool(
+    "log_buffer_addresses", False,
+    "Record the device address of each decode step's fresh inputs and outputs; each point then says how many"
+    " times each one moved between runs of the same program (which buffers make XLA re-record a CUDA graph).",
 )
 flags.DEFINE_string("replot", None, "Only redraw the plots of this bench_serving.json into --output_dir (no JAX work).")
 
@@ -308,6 +314,8 @@ def build() -> Setup:
         model, kv_cache_dtype=kv_cache_dtype, decode_compiler_options=xla_options, hisparse_decode_compiler_options=hisparse_xla_options,
         cuda_graph_max_bs=FLAGS.cuda_graph_max_bs, decode_program_copies=FLAGS.decode_program_copies,
     )
+    if FLAGS.log_buffer_addresses:
+        runner.buffer_addresses = BufferAddressLog()
     return Setup(runner, hisparse, context, context - FLAGS.warm_steps - FLAGS.steps, budget, capacity)
 
 
@@ -420,10 +428,15 @@ def run_segment(engines: Engines, name: str, mode: str, slots: int, overlap: flo
         running = min(c, slots)
         if running not in measured:
             requests = [Request(i, engines.prompt, FLAGS.warm_steps + FLAGS.steps) for i in range(running)]
+            addresses = getattr(engine.runner, "buffer_addresses", None)
+            if addresses is not None:
+                addresses.clear()
             t = time.perf_counter()
             result = engine.run(requests, max_concurrency=running)
             run_s[running] = time.perf_counter() - t
             measured[running] = point_metrics(result, FLAGS.warm_steps)
+            if addresses is not None:  # this point's steps, warm ones included
+                measured[running]["buffer_moves"] = addresses.moves()
             if overlap is not None:
                 measured[running]["measured_topk_overlap"] = result.summary.get("measured_topk_overlap")
             if "residency" in result.summary:

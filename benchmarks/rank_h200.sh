@@ -19,7 +19,9 @@
 # default is XLA's own, as its 78-layer c = 1 launches were not measured without graphs; "": the
 # baseline's options, XLA's own unless --decode_xla_options is given),
 # CUDA_GRAPH_MAX_BS (SGLang's --cuda-graph-max-bs, both engines: buckets of more slots without graphs),
-# DECODE_PROGRAM_COPIES (2: two compiles of each graph-keeping decode program, run on alternate steps).
+# DECODE_PROGRAM_COPIES (2: two compiles of each graph-keeping decode program, run on alternate steps),
+# ADDRESSES (1: each point's buffer_moves in the JSON, which of a step's inputs and outputs moved between
+# runs of the same program; set it to anything to turn it on).
 # bench_serving writes state_copies.txt (the
 # parameters each decode program copies: a copied state array moves every step) from the HLO it
 # dumps for the step split. Extra arguments go to bench_serving.py.
@@ -49,7 +51,7 @@ run_context() {  # $1: context, $2: output dir, $3: a bench_serving.json to merg
     --kv_cache_dtype=fp8_e4m3 --context="$1" --phases=synthetic --concurrency=${CONCURRENCY:-1,64} \
     --profile_steps=3 --profile_running=${PROFILE_RUNNING:-1} --warm_steps=3 --steps=8 --modes=${MODE:-baseline} $ACT $merge \
     "${HISPARSE_ARGS[@]}" ${CUDA_GRAPH_MAX_BS:+--cuda_graph_max_bs=$CUDA_GRAPH_MAX_BS} \
-    --decode_program_copies=${DECODE_PROGRAM_COPIES:-1} \
+    --decode_program_copies=${DECODE_PROGRAM_COPIES:-1} ${ADDRESSES:+--log_buffer_addresses} \
     --time_budget_s=$(($4 - 20)) --output_dir="$2" "${EXTRA_ARGS[@]}" 2>&1 | tee "$2/rank.log" | grep -v "^WARNING\|^I1" | tail -40
   if [[ ${CB_VLOG:-0} == 1 ]]; then
     python3 benchmarks/probes/command_buffer_updates.py "$2/rank.log" | tee "$2/command_buffer_updates.txt" | head -12

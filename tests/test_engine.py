@@ -22,6 +22,7 @@ from serving.errors import UsageError
 from hisparse_jax.host_pages import HostPageAllocator
 from serving.workload import Request, random_requests
 from serving.scheduler import Scheduler
+from models.common.buffer_addresses import BufferAddressLog
 from models.dsa.footprint import DeviceFootprint
 from serving.synthetic_selection import SyntheticSelector
 from serving.telemetry import RequestTrace, StepRecord, summarize
@@ -770,6 +771,28 @@ def test_decode_program_copies_run_in_turn_with_the_same_tokens():
     engine.compile_buckets()  # every copy of every bucket, so a timed run compiles nothing
     (fns,) = engine.runner._cache_fns.values()
     assert fns["decode"]._cache_size() == fns["decode_copy1"]._cache_size() == len(engine.buckets) > 1
+
+
+def test_buffer_address_log_counts_moves_per_program_copy():
+    """A runner given a BufferAddressLog records each step's fresh inputs and outputs by name,
+    per (cache kind, bucket, copy); moves() counts, per name, the runs that found it elsewhere
+    than that program's run before: an array kept in place never moves, a fresh one each run
+    does (on the CPU every fresh buffer is a new one)."""
+    log = BufferAddressLog()
+    kept = jnp.zeros(4)
+    for _ in range(3):
+        log.record(("hisparse", 1, 0), dict(kept=kept, fresh=jnp.ones(4) * len(log.records)), dict(out=None))
+    ((row),) = log.moves()
+    assert row["runs"] == 3 and row["inputs_moved"] == {"['fresh']": 2, "['kept']": 0} and row["outputs_moved"] == {}
+    model = DSAForCausalLM(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    runner = ModelRunner(model, prefill_chunk=32, decode_program_copies=2)
+    runner.buffer_addresses = log = BufferAddressLog()
+    generate(runner, np.arange(9, dtype=np.int32)[None], 5, hisparse=HISPARSE)
+    programs = {tuple(r["program"]) for r in log.records}
+    assert programs == {("hisparse", 1, 0), ("hisparse", 1, 1)}, programs
+    (row, _) = log.moves()
+    assert set(row["inputs_moved"]) == {"['tokens']", "['positions']", "['previous']", "['src']"}
+    assert {"['logits']", "['result'].next_tokens", "['telemetry'].num_misses"} <= set(row["outputs_moved"])
 
 
 def test_hisparse_decode_compiler_options_reach_the_hisparse_step_alone():

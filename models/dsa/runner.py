@@ -185,6 +185,8 @@ class ModelRunner:
             raise ValueError(f"decode_program_copies must be an integer >= 1, got {decode_program_copies!r}")
         self.decode_program_copies = decode_program_copies
         self._turn = {}  # (cache kind, b) -> the decode copy that ran last
+        # A models.common.buffer_addresses.BufferAddressLog to fill (bench_serving --log_buffer_addresses)
+        self.buffer_addresses = None
         # The jits the copies run as, in turn: "decode" itself first
         self._decode_copy_names = ("decode",) + tuple(f"decode_copy{i}" for i in range(1, decode_program_copies))
         self.speculative = speculative
@@ -457,21 +459,26 @@ class ModelRunner:
         previous = None if feed is None else feed.previous
         src = np.full(len(tokens), -1, np.int32) if feed is None else feed.src  # i32[b]: -1, the host's token
         fns = self._jitted(cache)
+        turn = "no graphs"
         if self.cuda_graph_max_bs is not None and len(tokens) > self.cuda_graph_max_bs:
             step = fns["decode_without_graphs"]
         else:  # the copies in turn, per cache kind and bucket (one copy: always "decode")
             key = (jax.tree.structure(cache.kv), len(tokens))
             turn = self._turn[key] = (self._turn.get(key, -1) + 1) % self.decode_program_copies
             step = fns[self._decode_copy_names[turn]]
-        return step(
-            self._param_leaves,
-            cache,
+        inputs = (
             self._put(tokens, jnp.int32, per_request=True),
             self._put(positions, jnp.int32, per_request=True),
             topk,
             self._no_tokens(cache.kv.num_requests) if previous is None else previous,
             self._put(src, jnp.int32, per_request=True),
         )
+        out = step(self._param_leaves, cache, *inputs)
+        if self.buffer_addresses is not None:  # what moved since this program's last run (not the donated cache)
+            kind = "baseline" if isinstance(cache.kv, FullKVState) else "hisparse"
+            named_inputs = dict(zip(("tokens", "positions", "topk", "previous", "src"), inputs))
+            self.buffer_addresses.record((kind, len(tokens), turn), named_inputs, dict(logits=out[1], telemetry=out[2], result=out[3]))
+        return out
 
 
 class LayerwisePrefill(PrefillJob):
