@@ -163,15 +163,21 @@ flags.DEFINE_string(
 )
 flags.DEFINE_integer(
     "cuda_graph_max_bs", None,
-    "SGLang's --cuda-graph-max-bs: decode buckets of more slots compile without command buffers (both engines;"
-    " unset: every bucket as the options above); recorded in the JSON's setup.",
+    "SGLang's --cuda-graph-max-bs: decode buckets of more slots compile without command buffers (both engines"
+    " unless --hisparse_cuda_graph_max_bs; unset: every bucket as the options above); recorded in the JSON's setup.",
     lower_bound=0,
 )
 flags.DEFINE_integer(
     "decode_program_copies", 1,
     "ModelRunner(decode_program_copies): each decode program that keeps its graphs compiled this many times and"
-    " run in turn (does a copy per step parity stop XLA's per-step graph re-records?); recorded in the JSON's setup.",
+    " run in turn (with two the baseline's c = 1 graph stops re-recording); recorded in the JSON's setup.",
     lower_bound=1,
+)
+flags.DEFINE_integer(
+    "hisparse_cuda_graph_max_bs", None, "--cuda_graph_max_bs for HiSparse's decode step alone (unset: the same).", lower_bound=0
+)
+flags.DEFINE_integer(
+    "hisparse_decode_program_copies", None, "--decode_program_copies for HiSparse's decode step alone (unset: the same).", lower_bound=1
 )
 flags.DEFINE_bool(
     "log_buffer_addresses", False,
@@ -305,7 +311,8 @@ def build() -> Setup:
                        rule="host_to_device_ratio x HiSparse's device pool (slots x device_buffer_size rows per layer)"),
         warm_steps=FLAGS.warm_steps, timed_steps=FLAGS.steps, decode_xla_options=xla_options,
         hisparse_decode_xla_options=hisparse_xla_options, cuda_graph_max_bs=FLAGS.cuda_graph_max_bs,
-        decode_program_copies=FLAGS.decode_program_copies,
+        decode_program_copies=FLAGS.decode_program_copies, hisparse_cuda_graph_max_bs=FLAGS.hisparse_cuda_graph_max_bs,
+        hisparse_decode_program_copies=FLAGS.hisparse_decode_program_copies,
     )  # fmt: skip
     log("capacity under the budget:", capacity)
     log("at 32k tokens:", {k: {m: v[m] for m in ("hisparse", "baseline")} for k, v in RESULTS["setup"]["capacity_at_32k"].items() if isinstance(v, dict)})
@@ -313,6 +320,7 @@ def build() -> Setup:
     runner = ModelRunner(
         model, kv_cache_dtype=kv_cache_dtype, decode_compiler_options=xla_options, hisparse_decode_compiler_options=hisparse_xla_options,
         cuda_graph_max_bs=FLAGS.cuda_graph_max_bs, decode_program_copies=FLAGS.decode_program_copies,
+        hisparse_cuda_graph_max_bs=FLAGS.hisparse_cuda_graph_max_bs, hisparse_decode_program_copies=FLAGS.hisparse_decode_program_copies,
     )
     if FLAGS.log_buffer_addresses:
         runner.buffer_addresses = BufferAddressLog()

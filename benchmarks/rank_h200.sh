@@ -14,12 +14,14 @@
 # SGLang runs them; 0: the dequantised-weights numbers), PROFILE_RUNNING (1: the step split at c = 1
 # as well as at capacity), EXTRA_XLA_FLAGS, CB_VLOG (1: XLA logs each command-buffer re-record;
 # command_buffer_updates.txt counts them per buffer), HISPARSE_XLA_OPTIONS (HiSparse's decode step's
-# XLA options; DeepSeek-V3.2's default is no command buffers, which at 61 layers made its step faster at
-# c = 1 and at capacity while the baseline's got slower: PERFORMANCE.md, eleventh session; GLM-5.1's
-# default is XLA's own, as its 78-layer c = 1 launches were not measured without graphs; "": the
-# baseline's options, XLA's own unless --decode_xla_options is given),
-# CUDA_GRAPH_MAX_BS (SGLang's --cuda-graph-max-bs, both engines: buckets of more slots without graphs),
+# XLA options; "" or unset: the baseline's, XLA's own unless --decode_xla_options is given),
+# CUDA_GRAPH_MAX_BS (SGLang's --cuda-graph-max-bs: buckets of more slots without graphs),
 # DECODE_PROGRAM_COPIES (2: two compiles of each graph-keeping decode program, run on alternate steps),
+# HISPARSE_CUDA_GRAPH_MAX_BS / HISPARSE_DECODE_PROGRAM_COPIES (the same for HiSparse alone; "": as the
+# baseline's). DeepSeek-V3.2's defaults give HiSparse graphs at c = 1 alone, in two copies (1 / 2): at 61
+# layers its step was fastest so at c = 1 (32.10 ms against 37.31 without graphs) and without graphs at
+# capacity, while the baseline's is fastest with graphs everywhere (PERFORMANCE.md, eleventh and twelfth
+# sessions). GLM-5.1 keeps XLA's own, as its 78-layer steps were not measured otherwise.
 # ADDRESSES (1: each point's buffer_moves in the JSON, which of a step's inputs and outputs moved between
 # runs of the same program; set it to anything to turn it on).
 # bench_serving writes state_copies.txt (the
@@ -38,11 +40,13 @@ export XLA_FLAGS="${XLA_FLAGS:-} ${EXTRA_XLA_FLAGS:-}"  # e.g. --xla_gpu_command
 # CB_VMODULE: more of XLA's logs with CB_VLOG, e.g. gpu_executable_va_remap_allocator=3 (what SKIP_PROFILED remaps)
 [[ ${CB_VLOG:-0} == 1 ]] && export TF_CPP_VMODULE=command_buffer_thunk=3${CB_VMODULE:+,$CB_VMODULE} TF_CPP_MIN_LOG_LEVEL=0
 ACT=$([[ ${FP8_ACTIVATIONS:-1} == 1 ]] && echo --fp8_activations || echo --nofp8_activations)
-NO_COMMAND_BUFFERS='{"xla_gpu_enable_command_buffer": ""}'
-[[ ${PRESET:-deepseek-v3.2-dp8-rank} == deepseek* ]] && DEFAULT_HISPARSE_XLA_OPTIONS=$NO_COMMAND_BUFFERS
-HISPARSE_XLA_OPTIONS=${HISPARSE_XLA_OPTIONS-${DEFAULT_HISPARSE_XLA_OPTIONS:-}}
-HISPARSE_ARGS=()  # unset or "": HiSparse takes --decode_xla_options (an extra argument) as the baseline does
-[[ -n $HISPARSE_XLA_OPTIONS ]] && HISPARSE_ARGS=(--hisparse_decode_xla_options="$HISPARSE_XLA_OPTIONS")
+if [[ ${PRESET:-deepseek-v3.2-dp8-rank} == deepseek* ]]; then
+  HISPARSE_CUDA_GRAPH_MAX_BS=${HISPARSE_CUDA_GRAPH_MAX_BS-1} HISPARSE_DECODE_PROGRAM_COPIES=${HISPARSE_DECODE_PROGRAM_COPIES-2}
+fi
+HISPARSE_ARGS=()  # each unset or "": HiSparse takes the baseline's setting (and --decode_xla_options, an extra argument)
+[[ -n ${HISPARSE_XLA_OPTIONS:-} ]] && HISPARSE_ARGS+=(--hisparse_decode_xla_options="$HISPARSE_XLA_OPTIONS")
+[[ -n ${HISPARSE_CUDA_GRAPH_MAX_BS:-} ]] && HISPARSE_ARGS+=(--hisparse_cuda_graph_max_bs="$HISPARSE_CUDA_GRAPH_MAX_BS")
+[[ -n ${HISPARSE_DECODE_PROGRAM_COPIES:-} ]] && HISPARSE_ARGS+=(--hisparse_decode_program_copies="$HISPARSE_DECODE_PROGRAM_COPIES")
 
 run_context() {  # $1: context, $2: output dir, $3: a bench_serving.json to merge (or ""), $4: seconds
   local merge=${3:+--merge_from=$3}

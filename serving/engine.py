@@ -730,9 +730,9 @@ class Engine:
                 tokens, positions = np.zeros(b, np.int32), np.full(b, -1, np.int32)  # i32[b]: all inactive
                 if self.speculative is not None:
                     self.cache, result, self._carry = self.runner.speculative_greedy_step(self.cache, self._carry, positions)
-                else:  # every copy of the decode program (ModelRunner.decode_program_copies) runs once
+                else:  # every copy of the decode program (ModelRunner.decode_program_copies_for) runs once
                     topk = None if self.selector is None else self.selector.warm(b)
-                    for _ in range(self.runner.decode_program_copies):
+                    for _ in range(self.runner.decode_program_copies_for(self.cache)):
                         self.cache, _, result = self.runner.greedy_step(self.cache, tokens, positions, topk)
                 jax.device_get(result)
                 bar.update(1)

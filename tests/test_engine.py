@@ -773,6 +773,34 @@ def test_decode_program_copies_run_in_turn_with_the_same_tokens():
     assert fns["decode"]._cache_size() == fns["decode_copy1"]._cache_size() == len(engine.buckets) > 1
 
 
+def test_hisparse_graph_settings_reach_hisparse_caches_alone():
+    """hisparse_cuda_graph_max_bs / hisparse_decode_program_copies: HiSparse's steps take them, the
+    dense step the shared ones (DeepSeek-V3.2's rank: HiSparse graphs at c = 1 in two copies, the
+    baseline graphs at every bucket); an engine compiles every copy of its own cache kind."""
+    model = DSAForCausalLM(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    runner = ModelRunner(model, prefill_chunk=32, hisparse_cuda_graph_max_bs=1, hisparse_decode_program_copies=2)
+    prompts = np.arange(18, dtype=np.int32).reshape(2, 9)
+    dense = generate(runner, prompts, 3)
+    (dense_fns,) = runner._cache_fns.values()
+    assert "decode_copy1" not in dense_fns and "decode_without_graphs" not in dense_fns
+    one = generate(runner, prompts[:1], 3, hisparse=HISPARSE)  # b = 1: graphs, the copies in turn
+    two = generate(runner, prompts, 3, hisparse=HISPARSE)  # b = 2: no graphs
+    sparse_fns = [fns for fns in runner._cache_fns.values() if fns is not dense_fns]
+    assert sum(fns["decode"]._cache_size() for fns in sparse_fns) >= 1
+    assert sum(fns["decode_copy1"]._cache_size() for fns in sparse_fns) >= 1
+    assert sum(fns["decode_without_graphs"]._cache_size() for fns in sparse_fns) >= 1
+    np.testing.assert_array_equal(two.tokens, dense.tokens)
+    np.testing.assert_array_equal(one.tokens, dense.tokens[:1])
+    with pytest.raises(ValueError, match="hisparse_decode_program_copies must be an integer >= 1, got 0"):
+        ModelRunner(model, hisparse_decode_program_copies=0)
+    with pytest.raises(ValueError, match="hisparse_cuda_graph_max_bs must be None or an integer >= 0, got -2"):
+        ModelRunner(model, hisparse_cuda_graph_max_bs=-2)
+    engine = Engine(ModelRunner(model, prefill_chunk=32, hisparse_decode_program_copies=2), engine_config(HISPARSE, batch_buckets=True))
+    engine.compile_buckets()
+    (fns,) = engine.runner._cache_fns.values()
+    assert fns["decode"]._cache_size() == fns["decode_copy1"]._cache_size() == len(engine.buckets) > 1
+
+
 def test_buffer_address_log_counts_moves_per_program_copy():
     """A runner given a BufferAddressLog records each step's fresh inputs and outputs by name,
     per (cache kind, bucket, copy); moves() counts, per name, the runs that found it elsewhere

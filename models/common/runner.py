@@ -202,7 +202,10 @@ class FamilyRunner:
 
     mesh = None  # one device: the engine's data-parallel paths stay off
     kv_cache_dtype = "auto"  # caches in the model dtype
-    decode_program_copies = 1  # one decode program per bucket (models.dsa.runner.ModelRunner can run several in turn)
+    def decode_program_copies_for(self, cache) -> int:
+        """One decode program per bucket (models.dsa.runner.ModelRunner can run several in turn)."""
+        return 1
+
     _forward_fn: Callable
     _store_fn: Callable
     _decode_fn: Callable

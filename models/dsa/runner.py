@@ -129,6 +129,11 @@ def resolved_shared_prefetch(parallel, implementation: str | None, shared_prefet
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 
 
+def decode_copy_names(copies: int) -> tuple[str, ...]:
+    """The jits k copies of a decode program run as, in turn: "decode" itself first."""
+    return ("decode",) + tuple(f"decode_copy{i}" for i in range(1, copies))
+
+
 class ModelRunner:
     """A model split once into (graph, params) with its jitted prefill and decode functions.
 
@@ -150,6 +155,8 @@ class ModelRunner:
         hisparse_decode_compiler_options: dict | None = None,
         cuda_graph_max_bs: int | None = None,
         decode_program_copies: int = 1,
+        hisparse_cuda_graph_max_bs: int | None = None,
+        hisparse_decode_program_copies: int | None = None,
     ):
         """parallel: tensor / data-parallel-attention layout (hisparse_jax.sharding); None or a
         single-device config runs on the default device. kv_cache_dtype: the caches' format
@@ -172,23 +179,30 @@ class ModelRunner:
         step. XLA re-records a graph on every run whose buffers moved (at 61 layers 10-32 ms a
         step at c = 1); under the overlap schedule a step's fresh buffers (inputs, outputs, temp)
         may alternate between two places, and then 2 copies would each see the same ones every
-        time. A hypothesis to measure (docs/PERFORMANCE.md, eleventh session); k x the compiles."""
+        time. With two, the baseline's c = 1 graph stopped re-recording on the H200 and HiSparse's
+        did not (docs/PERFORMANCE.md, twelfth session); k x the compiles.
+        hisparse_cuda_graph_max_bs, hisparse_decode_program_copies: the same for caches with
+        HiSparse alone (None: as the two above), so one run can give each engine the setting it
+        was measured fastest in (DeepSeek-V3.2's rank: HiSparse with graphs at c = 1 only, the
+        baseline with graphs at every bucket)."""
         if speculative is not None:
             if model.mtp is None:
                 raise ValueError("speculative decoding needs the model's MTP layer (num_nextn_predict_layers = 0 here)")
             if parallel is not None and not parallel.is_single_device:
                 raise ValueError("speculative decoding runs on one device (no tensor / data-parallel mesh) yet")
-        if cuda_graph_max_bs is not None and (type(cuda_graph_max_bs) is not int or cuda_graph_max_bs < 0):
-            raise ValueError(f"cuda_graph_max_bs must be None or an integer >= 0, got {cuda_graph_max_bs!r}")
+        for name, value in (("cuda_graph_max_bs", cuda_graph_max_bs), ("hisparse_cuda_graph_max_bs", hisparse_cuda_graph_max_bs)):
+            if value is not None and (type(value) is not int or value < 0):
+                raise ValueError(f"{name} must be None or an integer >= 0, got {value!r}")
+        for name, value in (("decode_program_copies", decode_program_copies), ("hisparse_decode_program_copies", hisparse_decode_program_copies)):
+            if (value is not None or name == "decode_program_copies") and (type(value) is not int or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.cuda_graph_max_bs = cuda_graph_max_bs
-        if type(decode_program_copies) is not int or decode_program_copies < 1:
-            raise ValueError(f"decode_program_copies must be an integer >= 1, got {decode_program_copies!r}")
         self.decode_program_copies = decode_program_copies
+        self.hisparse_cuda_graph_max_bs = cuda_graph_max_bs if hisparse_cuda_graph_max_bs is None else hisparse_cuda_graph_max_bs
+        self.hisparse_decode_program_copies = decode_program_copies if hisparse_decode_program_copies is None else hisparse_decode_program_copies
         self._turn = {}  # (cache kind, b) -> the decode copy that ran last
         # A models.common.buffer_addresses.BufferAddressLog to fill (bench_serving --log_buffer_addresses)
         self.buffer_addresses = None
-        # The jits the copies run as, in turn: "decode" itself first
-        self._decode_copy_names = ("decode",) + tuple(f"decode_copy{i}" for i in range(1, decode_program_copies))
         self.speculative = speculative
         self.decode_compiler_options = dict(decode_compiler_options or {})
         self.hisparse_decode_compiler_options = (
@@ -264,9 +278,10 @@ class ModelRunner:
                 move=jax.jit(move_request, donate_argnums=0, out_shardings=cache_shardings(cache)),
                 decode=self.jit_decode(cache, decode, **graph_options),
             )
-            for name in self._decode_copy_names[1:]:  # a distinct function each: its own compile and graph
+            max_bs, copies = self.decode_graphs(cache)
+            for name in decode_copy_names(copies)[1:]:  # a distinct function each: its own compile and graph
                 self._cache_fns[kind][name] = self.jit_decode(cache, functools.partial(decode), **graph_options)
-            if self.cuda_graph_max_bs is not None:  # the buckets above it: the same step, no graphs
+            if max_bs is not None:  # the buckets above it: the same step, no graphs
                 self._cache_fns[kind]["decode_without_graphs"] = self.jit_decode(
                     cache, decode, compiler_options={**options, **NO_COMMAND_BUFFERS}
                 )
@@ -280,6 +295,18 @@ class ModelRunner:
                     out_shardings=(cache_shardings(cache), device, device),
                 )  # fmt: skip
         return self._cache_fns[kind]
+
+    def decode_graphs(self, cache: DecodeCache) -> tuple[int | None, int]:
+        """(cuda_graph_max_bs, decode_program_copies) for this cache's decode step: the
+        hisparse_ ones for a HiSparse cache."""
+        if isinstance(cache.kv, FullKVState):
+            return self.cuda_graph_max_bs, self.decode_program_copies
+        return self.hisparse_cuda_graph_max_bs, self.hisparse_decode_program_copies
+
+    def decode_program_copies_for(self, cache: DecodeCache) -> int:
+        """How many compiled copies of each decode program this cache's steps run in turn (the
+        engine runs each once to compile them all)."""
+        return self.decode_graphs(cache)[1]
 
     def _result_shardings(self) -> StepResult:
         """Where a step's StepResult lives: the tokens where the next step takes `previous` from
@@ -460,12 +487,13 @@ class ModelRunner:
         src = np.full(len(tokens), -1, np.int32) if feed is None else feed.src  # i32[b]: -1, the host's token
         fns = self._jitted(cache)
         turn = "no graphs"
-        if self.cuda_graph_max_bs is not None and len(tokens) > self.cuda_graph_max_bs:
+        max_bs, copies = self.decode_graphs(cache)
+        if max_bs is not None and len(tokens) > max_bs:
             step = fns["decode_without_graphs"]
         else:  # the copies in turn, per cache kind and bucket (one copy: always "decode")
             key = (jax.tree.structure(cache.kv), len(tokens))
-            turn = self._turn[key] = (self._turn.get(key, -1) + 1) % self.decode_program_copies
-            step = fns[self._decode_copy_names[turn]]
+            turn = self._turn[key] = (self._turn.get(key, -1) + 1) % copies
+            step = fns[decode_copy_names(copies)[turn]]
         inputs = (
             self._put(tokens, jnp.int32, per_request=True),
             self._put(positions, jnp.int32, per_request=True),
