@@ -127,3 +127,25 @@ def test_indexer_fp8_tiling_probe_checks_every_shape_against_the_reference(tmp_p
     assert [v["tuning"] for v in size["variants"]] == [{}, {"keys_major": True, "block_c": 32, "blocks_per_program": 2}]
     assert all(v["checked"] is True for v in size["variants"]) and all(v["exact"] is True for v in size["topk"])
     assert all(c["max_abs_score"] > 0 for c in size["checks"].values())  # the check compared real scores
+
+
+def test_va_remap_counts_re_records_of_graphs_over_ten_commands():
+    from benchmarks.probes import va_remap
+
+    log = "\n".join([
+        "I1204 command_buffer_thunk.cc:270] Initialized command buffer on device #0 in 80 μs; num_commands=21",
+        "I1204 command_buffer_thunk.cc:362] [0] Updated command buffer in 39 μs; num_commands=21",
+        "I1204 command_buffer_thunk.cc:362] [0] Updated command buffer in 30 μs; num_commands=21",
+        "I1204 command_buffer_thunk.cc:362] [0] Updated command buffer in 5 μs; num_commands=6",  # a small one: left out
+        "I1204 gpu_executable_va_remap_allocator.cc:405] [0] VA remapping: module jit_step executing",
+    ])  # fmt: skip
+    assert va_remap.log_counts(log) == dict(updates=2, records=1, remap_lines=1)
+
+
+def test_va_remap_child_runs_its_step_exactly_on_the_cpu():
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "va_remap.py"), "--child", "--steps=4"],
+        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300,
+    )  # fmt: skip
+    result = json.loads(next(line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")))
+    assert result["ran"] and result["mismatched_steps"] == 0 and result["state_equal"], result
