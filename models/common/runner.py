@@ -202,14 +202,14 @@ class FamilyRunner:
 
     mesh = None  # one device: the engine's data-parallel paths stay off
     kv_cache_dtype = "auto"  # caches in the model dtype
-    def decode_program_copies_for(self, cache) -> int:
-        """One decode program per bucket (models.dsa.runner.ModelRunner can run several in turn)."""
-        return 1
-
     _forward_fn: Callable
     _store_fn: Callable
     _decode_fn: Callable
     _move_fn: Callable
+
+    def decode_program_copies_for(self, cache) -> int:
+        """One decode program per bucket (models.dsa.runner.ModelRunner can run several in turn)."""
+        return 1
 
     def __init__(self, model, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, implementation: str | None = None):
         self.model = model  # kept for cache shapes (create_cache); the jitted functions take params
