@@ -129,6 +129,7 @@ def resolved_shared_prefetch(parallel, implementation: str | None, shared_prefet
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 
 
+@functools.cache  # one tuple per count: _step asks every step
 def decode_copy_names(copies: int) -> tuple[str, ...]:
     """The jits k copies of a decode program run as, in turn: "decode" itself first."""
     return ("decode",) + tuple(f"decode_copy{i}" for i in range(1, copies))
