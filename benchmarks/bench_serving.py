@@ -60,7 +60,7 @@ from flax import nnx  # noqa: E402
 
 from benchmarks import step_split  # noqa: E402
 from benchmarks.probes import state_copies  # noqa: E402
-from benchmarks.helpers import bench_model_config, ep8_rank_config, log  # noqa: E402
+from benchmarks.helpers import bench_model_config, capacity_ratio, ep8_rank_config, log  # noqa: E402
 from configs.model import DSAModelConfig  # noqa: E402
 from hisparse_jax.config import HiSparseConfig, ResidencyConfig  # noqa: E402
 from models.common.buffer_addresses import BufferAddressLog  # noqa: E402
@@ -558,15 +558,6 @@ def ratios() -> list[dict]:
                                 ratio=p["decode_throughput"] / b["decode_throughput"]))  # fmt: skip
                 break
     return out
-
-
-def capacity_ratio(points: list[dict], capacity: dict) -> float | None:
-    """HiSparse's SYNTHETIC-selection throughput with its capacity running over the baseline's
-    with its own, whatever concurrency caps reached them (two merged runs may have asked for
-    different ones); None unless both points exist."""
-    at_capacity = {p["mode"]: p["decode_throughput"] for p in points
-                   if p["phase"] == "synthetic" and p["mode"] in capacity and p["running"] == capacity[p["mode"]]}  # fmt: skip
-    return at_capacity["hisparse"] / at_capacity["baseline"] if len(at_capacity) == 2 else None
 
 
 def rank_summary(setup: Setup) -> list[dict]:

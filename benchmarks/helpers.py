@@ -24,6 +24,16 @@ def log(*args) -> None:
     print(f"[{time.perf_counter() - T0:7.1f}s]", *args, flush=True)
 
 
+def capacity_ratio(points: list[dict], capacity: dict) -> float | None:
+    """bench_serving's points -> HiSparse's SYNTHETIC-selection throughput with its capacity
+    running over the baseline's with its own (capacity: {"hisparse": n, "baseline": m}), whatever
+    concurrency caps reached them (two merged runs may have asked for different ones); None
+    unless both points exist."""
+    at_capacity = {p["mode"]: p["decode_throughput"] for p in points
+                   if p["phase"] == "synthetic" and p["mode"] in capacity and p["running"] == capacity[p["mode"]]}  # fmt: skip
+    return at_capacity["hisparse"] / at_capacity["baseline"] if len(at_capacity) == 2 else None
+
+
 def stats(xs) -> dict:
     """p50, mean, min, max and count of a list of numbers ({} for none)."""
     xs = np.asarray(xs, float)

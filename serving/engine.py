@@ -732,7 +732,7 @@ class Engine:
                     self.cache, result, self._carry = self.runner.speculative_greedy_step(self.cache, self._carry, positions)
                 else:  # every copy of the decode program (ModelRunner.decode_program_copies_for) runs once
                     topk = None if self.selector is None else self.selector.warm(b)
-                    for _ in range(self.runner.decode_program_copies_for(self.cache)):
+                    for _ in range(self.runner.decode_program_copies_for(self.cache, b)):
                         self.cache, _, result = self.runner.greedy_step(self.cache, tokens, positions, topk)
                 jax.device_get(result)
                 bar.update(1)

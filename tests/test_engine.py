@@ -779,6 +779,7 @@ def test_hisparse_graph_settings_reach_hisparse_caches_alone():
     baseline graphs at every bucket); an engine compiles every copy of its own cache kind."""
     model = DSAForCausalLM(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
     runner = ModelRunner(model, prefill_chunk=32, hisparse_cuda_graph_max_bs=1, hisparse_decode_program_copies=2)
+    assert (runner.hisparse_graphs.copies_for(1), runner.hisparse_graphs.copies_for(2), runner.dense_graphs.copies_for(1)) == (2, 1, 1)
     prompts = np.arange(18, dtype=np.int32).reshape(2, 9)
     dense = generate(runner, prompts, 3)
     (dense_fns,) = runner._cache_fns.values()

@@ -117,3 +117,13 @@ def test_bench_serving_splits_the_step_at_c1_and_at_capacity(tmp_path):
     copies = (tmp_path / "state_copies.txt").read_text()  # from the dump the split read, before it is removed
     assert "greedy_decode_step" in copies and "aliased to outputs" in copies, copies
     assert not (tmp_path / "hlo_dump").exists()
+
+
+def test_capacity_ratio_pairs_each_engines_capacity_point_whatever_cap_reached_it():
+    from benchmarks.helpers import capacity_ratio
+
+    point = lambda mode, cap, running, tps, phase="synthetic": dict(mode=mode, max_concurrency=cap, running=running, decode_throughput=tps, phase=phase)  # noqa: E731
+    points = [point("hisparse", 1, 1, 30.0), point("hisparse", 64, 37, 440.0), point("baseline", 1, 1, 37.0),
+              point("baseline", 8, 8, 176.0), point("baseline", 64, 37, 999.0, phase="model")]  # fmt: skip
+    assert capacity_ratio(points, {"hisparse": 37, "baseline": 8}) == 440.0 / 176.0
+    assert capacity_ratio(points, {"hisparse": 37, "baseline": 9}) is None  # the baseline never reached 9

@@ -325,9 +325,9 @@ def test_the_cuda_graph_switches_are_serving_flags_that_reach_the_decode_compile
     with pytest.raises(UsageError, match="--disable_cuda_graph must be true or false, got 'no'"):
         ServingArgs(disable_cuda_graph="no")
     model = DSAForCausalLM(DSAModelConfig.tiny(), dtype=jnp.float32, rngs=nnx.Rngs(0))
-    assert make_runner(model, ServingArgs(disable_cuda_graph=True)).decode_compiler_options == NO_COMMAND_BUFFERS
-    assert make_runner(model, ServingArgs()).decode_compiler_options == {}
-    assert make_runner(model, ServingArgs(cuda_graph_max_bs=4)).cuda_graph_max_bs == 4
+    assert make_runner(model, ServingArgs(disable_cuda_graph=True)).dense_graphs.compiler_options == NO_COMMAND_BUFFERS
+    assert make_runner(model, ServingArgs()).dense_graphs.compiler_options == {}
+    assert make_runner(model, ServingArgs(cuda_graph_max_bs=4)).dense_graphs.cuda_graph_max_bs == 4
     with pytest.raises(UsageError, match="--cuda_graph_max_bs must be a positive integer, got 0"):
         ServingArgs(cuda_graph_max_bs=0)
     v4_args = ServingArgs(model="deepseek_v4_tiny", dtype="float32", cuda_graph_max_bs=4)  # its family's runner

@@ -207,7 +207,7 @@ class FamilyRunner:
     _decode_fn: Callable
     _move_fn: Callable
 
-    def decode_program_copies_for(self, cache) -> int:
+    def decode_program_copies_for(self, cache, b: int) -> int:
         """One decode program per bucket (models.dsa.runner.ModelRunner can run several in turn)."""
         return 1
 

@@ -135,6 +135,18 @@ def decode_copy_names(copies: int) -> tuple[str, ...]:
     return ("decode",) + tuple(f"decode_copy{i}" for i in range(1, copies))
 
 
+class DecodeGraphs(NamedTuple):
+    """How one engine's decode step is compiled (ModelRunner's arguments of the same names)."""
+
+    compiler_options: dict  # jax.jit compiler_options of the decode step
+    cuda_graph_max_bs: int | None  # buckets of more slots: the same step without command buffers
+    program_copies: int  # compiled copies of each graph-keeping program, run in turn
+
+    def copies_for(self, b: int) -> int:
+        """The copies a b-slot step runs in turn (one where it keeps no graphs)."""
+        return 1 if self.cuda_graph_max_bs is not None and b > self.cuda_graph_max_bs else self.program_copies
+
+
 class ModelRunner:
     """A model split once into (graph, params) with its jitted prefill and decode functions.
 
@@ -197,18 +209,16 @@ class ModelRunner:
         for name, value in (("decode_program_copies", decode_program_copies), ("hisparse_decode_program_copies", hisparse_decode_program_copies)):
             if (value is not None or name == "decode_program_copies") and (type(value) is not int or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        self.cuda_graph_max_bs = cuda_graph_max_bs
-        self.decode_program_copies = decode_program_copies
-        self.hisparse_cuda_graph_max_bs = cuda_graph_max_bs if hisparse_cuda_graph_max_bs is None else hisparse_cuda_graph_max_bs
-        self.hisparse_decode_program_copies = decode_program_copies if hisparse_decode_program_copies is None else hisparse_decode_program_copies
+        self.dense_graphs = DecodeGraphs(dict(decode_compiler_options or {}), cuda_graph_max_bs, decode_program_copies)
+        self.hisparse_graphs = DecodeGraphs(  # each None: the dense step's
+            self.dense_graphs.compiler_options if hisparse_decode_compiler_options is None else dict(hisparse_decode_compiler_options),
+            cuda_graph_max_bs if hisparse_cuda_graph_max_bs is None else hisparse_cuda_graph_max_bs,
+            decode_program_copies if hisparse_decode_program_copies is None else hisparse_decode_program_copies,
+        )
         self._turn = {}  # (cache kind, b) -> the decode copy that ran last
         # A models.common.buffer_addresses.BufferAddressLog to fill (bench_serving --log_buffer_addresses)
         self.buffer_addresses = None
         self.speculative = speculative
-        self.decode_compiler_options = dict(decode_compiler_options or {})
-        self.hisparse_decode_compiler_options = (
-            self.decode_compiler_options if hisparse_decode_compiler_options is None else dict(hisparse_decode_compiler_options)
-        )
         self.config = model.config
         self.dtype = model.dtype
         self.kv_cache_dtype = kv_cache_dtype
@@ -261,7 +271,8 @@ class ModelRunner:
         # gets its own jits (a HiSparseConfig with another miss_read is another tree).
         kind = jax.tree.structure(cache.kv)
         if kind not in self._cache_fns:
-            options = self.decode_compiler_options if isinstance(cache.kv, FullKVState) else self.hisparse_decode_compiler_options
+            graphs = self.decode_graphs(cache)
+            options = graphs.compiler_options
             decode = functools.partial(
                 decode_step, self.graphdef, implementation=self.implementation, mesh=self.mesh, shared_prefetch=self.shared_prefetch
             )
@@ -279,10 +290,9 @@ class ModelRunner:
                 move=jax.jit(move_request, donate_argnums=0, out_shardings=cache_shardings(cache)),
                 decode=self.jit_decode(cache, decode, **graph_options),
             )
-            max_bs, copies = self.decode_graphs(cache)
-            for name in decode_copy_names(copies)[1:]:  # a distinct function each: its own compile and graph
+            for name in decode_copy_names(graphs.program_copies)[1:]:  # a distinct function each: its own compile and graph
                 self._cache_fns[kind][name] = self.jit_decode(cache, functools.partial(decode), **graph_options)
-            if max_bs is not None:  # the buckets above it: the same step, no graphs
+            if graphs.cuda_graph_max_bs is not None:  # the buckets above it: the same step, no graphs
                 self._cache_fns[kind]["decode_without_graphs"] = self.jit_decode(
                     cache, decode, compiler_options={**options, **NO_COMMAND_BUFFERS}
                 )
@@ -297,17 +307,14 @@ class ModelRunner:
                 )  # fmt: skip
         return self._cache_fns[kind]
 
-    def decode_graphs(self, cache: DecodeCache) -> tuple[int | None, int]:
-        """(cuda_graph_max_bs, decode_program_copies) for this cache's decode step: the
-        hisparse_ ones for a HiSparse cache."""
-        if isinstance(cache.kv, FullKVState):
-            return self.cuda_graph_max_bs, self.decode_program_copies
-        return self.hisparse_cuda_graph_max_bs, self.hisparse_decode_program_copies
+    def decode_graphs(self, cache: DecodeCache) -> DecodeGraphs:
+        """How this cache's decode step is compiled: hisparse_graphs for a HiSparse cache."""
+        return self.dense_graphs if isinstance(cache.kv, FullKVState) else self.hisparse_graphs
 
-    def decode_program_copies_for(self, cache: DecodeCache) -> int:
-        """How many compiled copies of each decode program this cache's steps run in turn (the
-        engine runs each once to compile them all)."""
-        return self.decode_graphs(cache)[1]
+    def decode_program_copies_for(self, cache: DecodeCache, b: int) -> int:
+        """How many compiled copies of the b-slot decode program this cache's steps run in turn
+        (the engine runs each once to compile them all)."""
+        return self.decode_graphs(cache).copies_for(b)
 
     def _result_shardings(self) -> StepResult:
         """Where a step's StepResult lives: the tokens where the next step takes `previous` from
@@ -488,13 +495,13 @@ class ModelRunner:
         src = np.full(len(tokens), -1, np.int32) if feed is None else feed.src  # i32[b]: -1, the host's token
         fns = self._jitted(cache)
         turn = "no graphs"
-        max_bs, copies = self.decode_graphs(cache)
-        if max_bs is not None and len(tokens) > max_bs:
+        graphs = self.decode_graphs(cache)
+        if graphs.cuda_graph_max_bs is not None and len(tokens) > graphs.cuda_graph_max_bs:
             step = fns["decode_without_graphs"]
         else:  # the copies in turn, per cache kind and bucket (one copy: always "decode")
-            key = (jax.tree.structure(cache.kv), len(tokens))
-            turn = self._turn[key] = (self._turn.get(key, -1) + 1) % copies
-            step = fns[decode_copy_names(copies)[turn]]
+            key = (id(fns), len(tokens))  # fns: this cache kind's jits
+            turn = self._turn[key] = (self._turn.get(key, -1) + 1) % graphs.program_copies
+            step = fns[decode_copy_names(graphs.program_copies)[turn]]
         inputs = (
             self._put(tokens, jnp.int32, per_request=True),
             self._put(positions, jnp.int32, per_request=True),
