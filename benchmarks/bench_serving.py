@@ -429,7 +429,8 @@ def run_segment(engines: Engines, name: str, mode: str, slots: int, overlap: flo
     """Points of one (engine, selection): requests = min(c, slots) decode together."""
     t = time.perf_counter()
     engine = engines.get(mode, slots, overlap)
-    log(f"{name}: {mode} engine with {slots} slots ready in {time.perf_counter() - t:.1f}s")
+    ready_s = time.perf_counter() - t  # the engine's build and compiles (0 when an earlier segment made it)
+    log(f"{name}: {mode} engine with {slots} slots ready in {ready_s:.1f}s")
     selection = "model" if overlap is None else f"SYNTHETIC(overlap={overlap:g})"
     measured, run_s = {}, {}
     for c in concurrencies:
@@ -454,7 +455,7 @@ def run_segment(engines: Engines, name: str, mode: str, slots: int, overlap: flo
             a2a_ms = running * RESULTS["preset"]["all_to_all_bytes_per_token"] / NVLINK_BYTES_PER_S * 1e3
             metrics = dict(metrics, nvlink_a2a_model_ms=a2a_ms,
                            decode_throughput_with_a2a_model=running / ((metrics["itl_ms"]["mean"] + a2a_ms) / 1e3))  # fmt: skip
-        RESULTS["points"].append(dict(phase=name, selection=selection, mode=mode, slots=slots, max_concurrency=c, **metrics))
+        RESULTS["points"].append(dict(phase=name, selection=selection, mode=mode, slots=slots, max_concurrency=c, engine_ready_s=ready_s, **metrics))
         log(f"  {name:11s} {mode:8s} c={c:4d} running={metrics['running']:4d}: {metrics['decode_throughput']:10.1f} tok/s,"
             f" ITL {metrics['itl_ms']['mean']:.2f} ms (p99 {metrics['itl_ms']['p99']:.2f}),"
             f" miss rate {metrics['miss_rate']:.3f}, {metrics['h2d_gb_per_s']:.1f} GB/s host->device")  # fmt: skip

@@ -61,6 +61,7 @@ Two labelled SYNTHETIC options serve studies and benchmarks, never real-model fi
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import time
 import warnings
@@ -714,9 +715,35 @@ class Engine:
         # else 1 (it ends at prefill). Some warm request decodes whenever a real one would, so the
         # decode step is compiled whenever the run needs it.
         warm = [Request(i, r.prompt, min(2, r.max_new_tokens)) for i, r in enumerate(by_bucket.values())]
+        decodes = any(r.max_new_tokens >= 2 for r in requests)
+        if decodes:
+            self.compile_decode_programs(progress=progress)
         self.run(warm, max_concurrency=1)
-        if any(r.max_new_tokens >= 2 for r in requests):
+        if decodes:
             self.compile_buckets(progress=progress)
+
+    def compile_decode_programs(self, *, progress: bool = False) -> None:
+        """Compiles every bucket's decode programs (and their copies) side by side, one thread
+        each: XLA's compile releases the GIL, and at 61-78 layers one program compiles for a
+        minute or more. The steps that run them afterwards compile nothing (the lowered programs
+        share the jits' caches); tracing stays serial. On an idle engine (the selector's warm
+        clears slots)."""
+        if self.scheduler.running_slots():
+            raise RuntimeError("compile_decode_programs needs an idle engine")
+        lowered = []
+        for b in self.buckets:
+            topk = None if self.selector is None else self.selector.warm(b)  # i32[J, b, K]: all -1
+            lowered += self.runner.decode_programs(self.cache, b, topk)
+        if not lowered:
+            return
+        bar = progress_bar(progress, total=len(lowered), desc="compile decode programs", unit="program")
+        try:
+            with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
+                for done in concurrent.futures.as_completed([pool.submit(program.compile) for program in lowered]):
+                    done.result()  # the first failure raises here
+                    bar.update(1)
+        finally:
+            bar.close()
 
     def compile_buckets(self, *, progress: bool = False) -> None:
         """Compiles the decode step (and the synthetic selector) for every batch bucket by

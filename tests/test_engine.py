@@ -773,6 +773,37 @@ def test_decode_program_copies_run_in_turn_with_the_same_tokens():
     assert fns["decode"]._cache_size() == fns["decode_copy1"]._cache_size() == len(engine.buckets) > 1
 
 
+def test_decode_programs_compile_side_by_side_and_the_steps_compile_none():
+    """Engine.compile_decode_programs compiles every bucket's decode programs at once (each copy;
+    a bucket past cuda_graph_max_bs its one program without graphs), the SYNTHETIC selection's
+    top-k among their inputs; the warm-up and the run after it then compile no decode step."""
+    model = DSAForCausalLM(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    runner = ModelRunner(model, prefill_chunk=32, hisparse_cuda_graph_max_bs=1, hisparse_decode_program_copies=2)
+    engine = Engine(runner, engine_config(HISPARSE, batch_buckets=True, synthetic_topk_overlap=0.75, max_running_requests=3))
+    assert engine.buckets == (1, 2, 3)
+    compiled = []  # the decode step's backend compiles, as jax reports them
+
+    def listen(event, duration, *, fun_name="", **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration" and "greedy_decode_step" in fun_name:
+            compiled.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        engine.compile_decode_programs()
+        assert len(compiled) == 2 + 1 + 1, compiled  # b = 1: two copies; b = 2, 3: one each, no graphs
+        requests = random_requests(num_prompts=4, input_len=20, output_len=4, range_ratio=0.2, vocab_size=TINY.vocab_size, seed=5)
+        engine.warmup(requests)
+        result = engine.run(requests, max_concurrency=3)
+        assert len(compiled) == 4, compiled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert max(step.batch for step in result.steps) == 3
+    config = engine_config(HISPARSE, batch_buckets=True, synthetic_topk_overlap=0.75, max_running_requests=3)
+    reference = Engine(ModelRunner(model, prefill_chunk=32), config).run(requests, max_concurrency=3)  # one program a bucket
+    for request in requests:
+        np.testing.assert_array_equal(result.tokens[request.id], reference.tokens[request.id])
+
+
 def test_hisparse_graph_settings_reach_hisparse_caches_alone():
     """hisparse_cuda_graph_max_bs / hisparse_decode_program_copies: HiSparse's steps take them, the
     dense step the shared ones (DeepSeek-V3.2's rank: HiSparse graphs at c = 1 in two copies, the

@@ -211,6 +211,11 @@ class FamilyRunner:
         """One decode program per bucket (models.dsa.runner.ModelRunner can run several in turn)."""
         return 1
 
+    def decode_programs(self, cache, b: int, topk=None) -> list:
+        """None to compile ahead (models.dsa.runner.ModelRunner's): one R-slot program, which the
+        engine's first warm step compiles."""
+        return []
+
     def __init__(self, model, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, implementation: str | None = None):
         self.model = model  # kept for cache shapes (create_cache); the jitted functions take params
         self.config = model.config

@@ -488,27 +488,48 @@ class ModelRunner:
         cache, logits, _, result = self._step(cache, tokens, positions, topk, feed)
         return cache, logits, result
 
-    def _step(self, cache: DecodeCache, tokens, positions, topk, feed: TokenFeed | None):
+    def _program(self, cache: DecodeCache, b: int, turn: int | None) -> tuple:
+        """(the jitted b-slot decode program, its copy number or "no graphs") for copy `turn`
+        (None: the next in turn, which advances it)."""
+        fns = self._jitted(cache)
+        graphs = self.decode_graphs(cache)
+        if graphs.cuda_graph_max_bs is not None and b > graphs.cuda_graph_max_bs:
+            return fns["decode_without_graphs"], "no graphs"
+        if turn is None:  # the copies in turn, per cache kind and bucket (one copy: always "decode")
+            key = (id(fns), b)  # fns: this cache kind's jits
+            turn = self._turn[key] = (self._turn.get(key, -1) + 1) % graphs.program_copies
+        return fns[decode_copy_names(graphs.program_copies)[turn]], turn
+
+    def _inputs(self, cache: DecodeCache, tokens, positions, topk, feed: TokenFeed | None) -> tuple:
+        """A step's inputs after the params and the cache, on the device as its program takes them:
+        (tokens i32[b], positions i32[b], topk, previous i32[R], src i32[b])."""
         if topk is not None and self.mesh is not None:
             topk = jax.device_put(topk, NamedSharding(self.mesh, P(None, dp_sharding.REQUEST_AXIS)))
         previous = None if feed is None else feed.previous
         src = np.full(len(tokens), -1, np.int32) if feed is None else feed.src  # i32[b]: -1, the host's token
-        fns = self._jitted(cache)
-        turn = "no graphs"
-        graphs = self.decode_graphs(cache)
-        if graphs.cuda_graph_max_bs is not None and len(tokens) > graphs.cuda_graph_max_bs:
-            step = fns["decode_without_graphs"]
-        else:  # the copies in turn, per cache kind and bucket (one copy: always "decode")
-            key = (id(fns), len(tokens))  # fns: this cache kind's jits
-            turn = self._turn[key] = (self._turn.get(key, -1) + 1) % graphs.program_copies
-            step = fns[decode_copy_names(graphs.program_copies)[turn]]
-        inputs = (
+        return (
             self._put(tokens, jnp.int32, per_request=True),
             self._put(positions, jnp.int32, per_request=True),
             topk,
             self._no_tokens(cache.kv.num_requests) if previous is None else previous,
             self._put(src, jnp.int32, per_request=True),
         )
+
+    def decode_programs(self, cache: DecodeCache, b: int, topk=None) -> list:
+        """Every compiled copy of the b-slot decode step, lowered (jax.stages.Lowered) with the
+        inputs a step of b inactive slots would take (topk: i32[J, b, K], the SYNTHETIC selection
+        each step will pass, or None). Their .compile() fills the same jit caches a step reads, so
+        the engine compiles them side by side (Engine.compile_buckets) and the steps compile nothing."""
+        if self.speculative is not None:  # the speculative step: compiled by its first run
+            return []
+        tokens, positions = np.zeros(b, np.int32), np.full(b, -1, np.int32)  # i32[b]: all inactive
+        inputs = self._inputs(cache, tokens, positions, topk, None)
+        copies = range(self.decode_program_copies_for(cache, b))
+        return [self._program(cache, b, turn)[0].lower(self._param_leaves, cache, *inputs) for turn in copies]
+
+    def _step(self, cache: DecodeCache, tokens, positions, topk, feed: TokenFeed | None):
+        step, turn = self._program(cache, len(tokens), None)
+        inputs = self._inputs(cache, tokens, positions, topk, feed)
         out = step(self._param_leaves, cache, *inputs)
         if self.buffer_addresses is not None:  # what moved since this program's last run (not the donated cache)
             kind = "baseline" if isinstance(cache.kv, FullKVState) else "hisparse"
