@@ -22,6 +22,8 @@
 # layers its step was fastest so at c = 1 (32.10 ms against 37.31 without graphs) and without graphs at
 # capacity, while the baseline's is fastest with graphs everywhere (PERFORMANCE.md, eleventh and twelfth
 # sessions). GLM-5.1 keeps XLA's own, as its 78-layer steps were not measured otherwise.
+# COMPILE_THREADS (decode programs each engine compiles at once; 0: all), SPY_AT ("200 330": py-spy's
+# native stacks of every thread at those seconds, spy_<t>s.txt, and host_memory.txt).
 # ADDRESSES (1: each point's buffer_moves in the JSON, which of a step's inputs and outputs moved between
 # runs of the same program; set it to anything to turn it on).
 # bench_serving writes state_copies.txt (the
@@ -55,17 +57,25 @@ run_context() {  # $1: context, $2: output dir, $3: a bench_serving.json to merg
     --kv_cache_dtype=fp8_e4m3 --context="$1" --phases=synthetic --concurrency=${CONCURRENCY:-1,64} \
     --profile_steps=3 --profile_running=${PROFILE_RUNNING:-1} --warm_steps=3 --steps=8 --modes=${MODE:-baseline} $ACT $merge \
     "${HISPARSE_ARGS[@]}" ${CUDA_GRAPH_MAX_BS:+--cuda_graph_max_bs=$CUDA_GRAPH_MAX_BS} \
-    --decode_program_copies=${DECODE_PROGRAM_COPIES:-1} ${ADDRESSES:+--log_buffer_addresses} \
+    --decode_program_copies=${DECODE_PROGRAM_COPIES:-1} ${ADDRESSES:+--log_buffer_addresses} --compile_threads=${COMPILE_THREADS:-0} \
     --time_budget_s=$(($4 - 20)) --output_dir="$2" "${EXTRA_ARGS[@]}" 2>&1 | tee "$2/rank.log" | grep -v "^WARNING\|^I1" | tail -40
   if [[ ${CB_VLOG:-0} == 1 ]]; then
     python3 benchmarks/probes/command_buffer_updates.py "$2/rank.log" | tee "$2/command_buffer_updates.txt" | head -12
     gzip -f "$2/rank.log"
   fi
   [[ -f $2/state_copies.txt ]] && head -12 "$2/state_copies.txt"
-  rm -rf "$2"/trace_*  # large; the split is in bench_serving.json
+  rm -rf "$2"/trace_* "$2"/hlo_dump  # large; the split is in bench_serving.json (left behind by a run cut short)
 }
 
 EXTRA_ARGS=("$@")
+if [[ -n ${SPY_AT:-} ]]; then  # SPY_AT="200 330": every thread's native stacks at those seconds of the call
+  export ALLOW_PTRACE=1     # (py-spy dump, carried as .whl/py-spy; bench_serving lets it attach), host memory every 20 s
+  ( for t in $SPY_AT; do sleep $(( t > SECONDS ? t - SECONDS : 0 )); pid=$(pgrep -n -f "benchmarks/bench_serving.py")
+      [[ -n $pid ]] && timeout 60 .whl/py-spy dump --native --pid "$pid" > "$OUT/spy_${t}s.txt" 2>&1; done ) >/dev/null 2>&1 &
+  SPIES=$!
+  ( while sleep 20; do echo "$SECONDS s: $(free -g | awk '/Mem/ {print "used", $3, "free", $4, "available", $7, "GB"}')"; done >> "$OUT/host_memory.txt" ) &
+  MONITOR=$!
+fi
 if [[ -z ${CONTEXTS:-} ]]; then
   run_context "${CONTEXT:-40960}" "$OUT" "${MERGE:-}" "${RANK_TIMEOUT:-560}"
 else
@@ -78,3 +88,5 @@ else
     rm -f "$OUT/ctx$context"/*.png "$OUT/ctx$context"/hlo_memory_reports.tar.gz  # at most 8 files come back
   done
 fi
+[[ -n ${MONITOR:-} ]] && kill "$MONITOR" "$SPIES" 2>/dev/null
+true

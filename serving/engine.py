@@ -140,6 +140,9 @@ class EngineConfig:
     # SGLang's overlap scheduler: step t + 1 is dispatched before step t's tokens are read, so the
     # device never waits for the host's loop (False: SGLang's --disable-overlap-schedule).
     overlap_schedule: bool = True
+    # Decode programs warmup compiles at once (compile_decode_programs): 0, one thread per program;
+    # 1, one after another.
+    compile_threads: int = 0
 
     def __post_init__(self):
         _positive_int("max_running_requests", self.max_running_requests)
@@ -154,6 +157,8 @@ class EngineConfig:
                 _positive_int("batch_buckets size", size)
         if self.prefill_token_budget is not None:
             _positive_int("prefill_token_budget", self.prefill_token_budget)
+        if type(self.compile_threads) is not int or self.compile_threads < 0:
+            raise UsageError(f"compile_threads must be an integer >= 0, got {self.compile_threads!r}")
         if self.synthetic_topk_overlap is not None and not 0.0 <= self.synthetic_topk_overlap <= 1.0:
             raise UsageError(f"synthetic_topk_overlap must be in [0, 1], got {self.synthetic_topk_overlap}")
 
@@ -724,7 +729,7 @@ class Engine:
 
     def compile_decode_programs(self, *, progress: bool = False) -> None:
         """Compiles every bucket's decode programs (and their copies) side by side, one thread
-        each: XLA's compile releases the GIL, and at 61-78 layers one program compiles for a
+        each (EngineConfig.compile_threads): XLA's compile releases the GIL, and at 61-78 layers one program compiles for a
         minute or more. The steps that run them afterwards compile nothing (the lowered programs
         share the jits' caches); tracing stays serial. On an idle engine (the selector's warm
         clears slots)."""
@@ -738,7 +743,7 @@ class Engine:
             return
         bar = progress_bar(progress, total=len(lowered), desc="compile decode programs", unit="program")
         try:
-            with concurrent.futures.ThreadPoolExecutor(len(lowered)) as pool:
+            with concurrent.futures.ThreadPoolExecutor(self.config.compile_threads or len(lowered)) as pool:
                 for done in concurrent.futures.as_completed([pool.submit(program.compile) for program in lowered]):
                     done.result()  # the first failure raises here
                     bar.update(1)
