@@ -804,6 +804,33 @@ def test_decode_programs_compile_side_by_side_and_the_steps_compile_none():
         np.testing.assert_array_equal(result.tokens[request.id], reference.tokens[request.id])
 
 
+def test_decode_programs_take_the_cache_as_a_kernel_hands_it_on():
+    """With the Pallas kernels (as on the GPU) a step hands the host pool on typed in device memory,
+    though it stays pinned_host, while a fresh cache's is typed in host memory: the programs
+    compiled ahead are lowered with the handed-on types, so the warm-up (a synthetic fill, then
+    steps) compiles no decode step, as on the H200, where it had compiled each bucket again."""
+    model = DSAForCausalLM(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    runner = ModelRunner(model, prefill_chunk=32, implementation="pallas", kv_cache_dtype="fp8_e4m3")
+    engine = Engine(runner, EngineConfig(max_running_requests=3, context_length=128, hisparse=HISPARSE, synthetic_context=True,
+                                         synthetic_topk_overlap=0.9, page_size=64, batch_buckets=(1, 3)))  # fmt: skip
+    compiled = []  # the decode step's backend compiles
+
+    def listen(event, duration, *, fun_name="", **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration" and "greedy_decode_step" in fun_name:
+            compiled.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        fresh = jax.typeof(engine.cache.kv.host_pool)
+        engine.compile_decode_programs()
+        assert len(compiled) == 2
+        engine.warmup([Request(0, np.zeros(100, np.int32), 2)])
+        assert len(compiled) == 2, compiled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert jax.typeof(engine.cache.kv.host_pool) != fresh  # else this test shows nothing
+
+
 def test_hisparse_graph_settings_reach_hisparse_caches_alone():
     """hisparse_cuda_graph_max_bs / hisparse_decode_program_copies: HiSparse's steps take them, the
     dense step the shared ones (DeepSeek-V3.2's rank: HiSparse graphs at c = 1 in two copies, the

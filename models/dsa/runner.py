@@ -248,6 +248,7 @@ class ModelRunner:
         self._embed = jax.jit(lambda params, tokens: nnx.merge(self.graphdef, params).embed_tokens(tokens))
         self._logits = jax.jit(lambda params, h: nnx.merge(self.graphdef, params).logits(h))
         self._cache_fns = {}  # per KV state tree: jits whose outputs keep the host pool pinned
+        self._handed_on = {}  # per KV state tree: the cache's types as a decode step returns it (decode_programs)
 
     def device_footprint(self, hisparse: HiSparseConfig | None) -> DeviceFootprint:
         """The device bytes one request holds under `hisparse` (None: no offload), in this runner's
@@ -524,8 +525,15 @@ class ModelRunner:
             return []
         tokens, positions = np.zeros(b, np.int32), np.full(b, -1, np.int32)  # i32[b]: all inactive
         inputs = self._inputs(cache, tokens, positions, topk, None)
-        copies = range(self.decode_program_copies_for(cache, b))
-        return [self._program(cache, b, turn)[0].lower(self._param_leaves, cache, *inputs) for turn in copies]
+        programs = [self._program(cache, b, turn)[0] for turn in range(self.decode_program_copies_for(cache, b))]
+        kind = jax.tree.structure(cache.kv)
+        if kind not in self._handed_on:
+            # The cache's types as a step hands it on, which every step after the first takes: a
+            # fresh host pool is typed in host memory, and one a GPU kernel wrote (the synthetic
+            # fill's, a step's) in device memory though it stays pinned_host; the compile is keyed
+            # on the type. One more trace of the step, once per cache kind.
+            self._handed_on[kind] = jax.eval_shape(programs[0], self._param_leaves, cache, *inputs)[0]
+        return [program.lower(self._param_leaves, self._handed_on[kind], *inputs) for program in programs]
 
     def _step(self, cache: DecodeCache, tokens, positions, topk, feed: TokenFeed | None):
         step, turn = self._program(cache, len(tokens), None)
