@@ -548,7 +548,7 @@ def draw() -> None:
     splits = [e for e in RESULTS.get("step_split", []) if e.get("categories_ms")]
     if splits:
         step_split.plot(splits, os.path.join(FLAGS.output_dir, "step_split.png"),
-                        label=f"{FLAGS.preset or 'bench model'}, SYNTHETIC selection, random weights")  # fmt: skip
+                        label=f"{(RESULTS.get('preset') or {}).get('name') or 'bench model'}, SYNTHETIC selection, random weights")  # fmt: skip
 
 
 def ratios() -> list[dict]:
