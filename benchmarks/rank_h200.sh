@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# One DeepSeek-V3.2 / GLM-5.1 EP8 rank on the H200 (issue 21), one engine per device call: a
-# 61 / 78-layer engine compiles for minutes, so both do not fit one call's 10 minutes.
+# One DeepSeek-V3.2 / GLM-5.1 EP8 rank on the H200 (issue 21). Each engine compiles its decode
+# programs side by side (COMPILE_THREADS), so both engines should fit one call (GLM-5.1 at 61,440:
+# baseline ready in 133.5 s, HiSparse in 231.3 s, measured in two calls; one call not yet run):
+#   OUT=/tmp/out MODE=hisparse,baseline RANK_TIMEOUT=575 bash benchmarks/rank_h200.sh
+# or one engine per call:
 #   OUT=/tmp/out MODE=baseline bash benchmarks/rank_h200.sh                     # call 1
 #   OUT=/tmp/out MODE=hisparse MERGE=docs/perf/<call 1's json> bash benchmarks/rank_h200.sh   # call 2
 # Several contexts in one call, one process each (the weights are rebuilt, ~41 s each):
@@ -18,10 +21,10 @@
 # CUDA_GRAPH_MAX_BS (SGLang's --cuda-graph-max-bs: buckets of more slots without graphs),
 # DECODE_PROGRAM_COPIES (2: two compiles of each graph-keeping decode program, run on alternate steps),
 # HISPARSE_CUDA_GRAPH_MAX_BS / HISPARSE_DECODE_PROGRAM_COPIES (the same for HiSparse alone; "": as the
-# baseline's). DeepSeek-V3.2's defaults give HiSparse graphs at c = 1 alone, in two copies (1 / 2): at 61
+# baseline's). Both presets' defaults give HiSparse graphs at c = 1 alone, in two copies (1 / 2): at 61
 # layers its step was fastest so at c = 1 (32.10 ms against 37.31 without graphs) and without graphs at
 # capacity, while the baseline's is fastest with graphs everywhere (PERFORMANCE.md, eleventh and twelfth
-# sessions). GLM-5.1 keeps XLA's own, as its 78-layer steps were not measured otherwise.
+# sessions); GLM-5.1 at 78 layers gave 3.59x / 0.96x with them (thirteenth session).
 # COMPILE_THREADS (decode programs each engine compiles at once; 0: all), SPY_AT ("200 330": py-spy's
 # native stacks of every thread at those seconds, spy_<t>s.txt, and host_memory.txt).
 # ADDRESSES (1: each point's buffer_moves in the JSON, which of a step's inputs and outputs moved between
@@ -42,9 +45,7 @@ export XLA_FLAGS="${XLA_FLAGS:-} ${EXTRA_XLA_FLAGS:-}"  # e.g. --xla_gpu_command
 # CB_VMODULE: more of XLA's logs with CB_VLOG, e.g. gpu_executable_va_remap_allocator=3 (what SKIP_PROFILED remaps)
 [[ ${CB_VLOG:-0} == 1 ]] && export TF_CPP_VMODULE=command_buffer_thunk=3${CB_VMODULE:+,$CB_VMODULE} TF_CPP_MIN_LOG_LEVEL=0
 ACT=$([[ ${FP8_ACTIVATIONS:-1} == 1 ]] && echo --fp8_activations || echo --nofp8_activations)
-if [[ ${PRESET:-deepseek-v3.2-dp8-rank} == deepseek* ]]; then
-  HISPARSE_CUDA_GRAPH_MAX_BS=${HISPARSE_CUDA_GRAPH_MAX_BS-1} HISPARSE_DECODE_PROGRAM_COPIES=${HISPARSE_DECODE_PROGRAM_COPIES-2}
-fi
+HISPARSE_CUDA_GRAPH_MAX_BS=${HISPARSE_CUDA_GRAPH_MAX_BS-1} HISPARSE_DECODE_PROGRAM_COPIES=${HISPARSE_DECODE_PROGRAM_COPIES-2}
 HISPARSE_ARGS=()  # each unset or "": HiSparse takes the baseline's setting (and --decode_xla_options, an extra argument)
 [[ -n ${HISPARSE_XLA_OPTIONS:-} ]] && HISPARSE_ARGS+=(--hisparse_decode_xla_options="$HISPARSE_XLA_OPTIONS")
 [[ -n ${HISPARSE_CUDA_GRAPH_MAX_BS:-} ]] && HISPARSE_ARGS+=(--hisparse_cuda_graph_max_bs="$HISPARSE_CUDA_GRAPH_MAX_BS")

@@ -742,12 +742,13 @@ class Engine:
         if not lowered:
             return
         bar = progress_bar(progress, total=len(lowered), desc="compile decode programs", unit="program")
+        pool = concurrent.futures.ThreadPoolExecutor(self.config.compile_threads or len(lowered))
         try:
-            with concurrent.futures.ThreadPoolExecutor(self.config.compile_threads or len(lowered)) as pool:
-                for done in concurrent.futures.as_completed([pool.submit(program.compile) for program in lowered]):
-                    done.result()  # the first failure raises here
-                    bar.update(1)
-        finally:
+            for done in concurrent.futures.as_completed([pool.submit(program.compile) for program in lowered]):
+                done.result()  # the first failure (or Ctrl-C) raises here
+                bar.update(1)
+        finally:  # on a failure: the compiles not begun are dropped, those under way end (XLA's cannot be stopped)
+            pool.shutdown(wait=True, cancel_futures=True)
             bar.close()
 
     def compile_buckets(self, *, progress: bool = False) -> None:

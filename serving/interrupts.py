@@ -2,8 +2,9 @@
 
 Python raises KeyboardInterrupt wherever the main thread happens to be when SIGINT arrives. Some
 places swallow it: inside JAX's garbage-collection callback (jax._src.lib's _xla_gc_callback) it
-is printed as "Exception ignored" and the run goes on to the end, exiting 0. So the handler
-records the request, and a watchdog thread raises it again in the main thread every
+is printed as "Exception ignored" with a traceback and the run goes on to the end, exiting 0. So
+the handler records the request, the traceback of one swallowed there is not printed (install's
+sys.unraisablehook), and a watchdog thread raises it again in the main thread every
 RERAISE_EVERY_S seconds until the entry point says it has been handled. A repeat is dropped while
 the main thread is handling the interrupt (an `except` block running cleanup, such as the
 engine's abort that gives back slots and pages), so cleanup is never cut short by it.
@@ -55,11 +56,25 @@ def _reraise_until_handled() -> None:
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
 
+def _quiet_unraisable(unraisable) -> None:
+    """sys.unraisablehook: a KeyboardInterrupt swallowed in a callback (JAX's gc callback) prints
+    nothing, as the watchdog raises it again; anything else goes to the hook before it."""
+    if unraisable.exc_type is KeyboardInterrupt and _requested.is_set():
+        return
+    _previous_unraisablehook(unraisable)
+
+
+_previous_unraisablehook = sys.unraisablehook
+
+
 def install() -> None:
     """Route SIGINT through the recording handler (call from the main thread)."""
+    global _previous_unraisablehook
     _requested.clear()
     _handled.clear()
     signal.signal(signal.SIGINT, _on_sigint)
+    if sys.unraisablehook is not _quiet_unraisable:
+        _previous_unraisablehook, sys.unraisablehook = sys.unraisablehook, _quiet_unraisable
 
 
 def raise_if_requested() -> None:
