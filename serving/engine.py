@@ -728,8 +728,8 @@ class Engine:
             self.compile_buckets(progress=progress)
 
     def compile_decode_programs(self, *, progress: bool = False) -> None:
-        """Compiles every bucket's decode programs (and their copies) side by side, one thread
-        each (EngineConfig.compile_threads): XLA's compile releases the GIL, and at 61-78 layers one program compiles for a
+        """Compiles every bucket's decode programs (and their copies) side by side, with the
+        synthetic fill, one thread each (EngineConfig.compile_threads): XLA's compile releases the GIL, and at 61-78 layers one program compiles for a
         minute or more. The steps that run them afterwards compile nothing (the lowered programs
         share the jits' caches); tracing stays serial. On an idle engine (the selector's warm
         clears slots)."""
@@ -741,6 +741,9 @@ class Engine:
             lowered += self.runner.decode_programs(self.cache, b, topk)
         if not lowered:
             return
+        if self._fill is not None and self.residency is None:  # the warm run's first jit, on this cache
+            pages = None if self.config.hisparse is None else np.zeros(self._pages_per_request, np.int32)  # i32[P]
+            lowered.append(self._fill.lower(self.cache, pages, jax.random.fold_in(self._fill_key, 0)))
         bar = progress_bar(progress, total=len(lowered), desc="compile decode programs", unit="program")
         pool = concurrent.futures.ThreadPoolExecutor(self.config.compile_threads or len(lowered))
         try:

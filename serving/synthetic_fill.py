@@ -62,5 +62,15 @@ class SyntheticFill:
         self._fill = jax.jit(fn, donate_argnums=0, out_shardings=cache_shardings(cache))
 
     def __call__(self, cache, slot: int, prompt_len: int, host_pages, key):
+        return self._fill(cache, *self._inputs(slot, prompt_len, host_pages), key)
+
+    def lower(self, cache, host_pages, key):
+        """The fill lowered (jax.stages.Lowered) for `cache` as it will be handed over and a
+        request's host_pages i32[P] (or None): its .compile() is the first call's compile."""
+        return self._fill.lower(cache, *self._inputs(0, 1, host_pages), key)
+
+    @staticmethod
+    def _inputs(slot: int, prompt_len: int, host_pages) -> tuple:
+        """(slot i32[], prompt_len i32[], pages i32[P] or None) as the jit takes them."""
         pages = None if host_pages is None else jnp.asarray(host_pages, jnp.int32)
-        return self._fill(cache, jnp.int32(slot), jnp.int32(prompt_len), pages, key)
+        return jnp.int32(slot), jnp.int32(prompt_len), pages

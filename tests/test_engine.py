@@ -808,24 +808,26 @@ def test_decode_programs_take_the_cache_as_a_kernel_hands_it_on():
     """With the Pallas kernels (as on the GPU) a step hands the host pool on typed in device memory,
     though it stays pinned_host, while a fresh cache's is typed in host memory: the programs
     compiled ahead are lowered with the handed-on types, so the warm-up (a synthetic fill, then
-    steps) compiles no decode step, as on the H200, where it had compiled each bucket again."""
+    steps) compiles no decode step, as on the H200, where it had compiled each bucket again; the
+    fill, compiled beside them for the fresh cache, compiles neither then nor in a later run."""
     model = DSAForCausalLM(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0))
     runner = ModelRunner(model, prefill_chunk=32, implementation="pallas", kv_cache_dtype="fp8_e4m3")
     engine = Engine(runner, EngineConfig(max_running_requests=3, context_length=128, hisparse=HISPARSE, synthetic_context=True,
                                          synthetic_topk_overlap=0.9, page_size=64, batch_buckets=(1, 3)))  # fmt: skip
-    compiled = []  # the decode step's backend compiles
+    compiled = []  # the decode step's and the synthetic fill's backend compiles
 
     def listen(event, duration, *, fun_name="", **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration" and "greedy_decode_step" in fun_name:
+        if event == "/jax/core/compile/backend_compile_duration" and ("greedy_decode_step" in fun_name or "_fill" in fun_name):
             compiled.append(fun_name)
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
         fresh = jax.typeof(engine.cache.kv.host_pool)
         engine.compile_decode_programs()
-        assert len(compiled) == 2
+        assert sorted(compiled) == ["jit(_fill)"] + ["jit(_greedy_decode_step)"] * 2, compiled
         engine.warmup([Request(0, np.zeros(100, np.int32), 2)])
-        assert len(compiled) == 2, compiled
+        engine.run([Request(1, np.zeros(90, np.int32), 3)])  # a fill on the cache the steps handed on
+        assert len(compiled) == 3, compiled
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert jax.typeof(engine.cache.kv.host_pool) != fresh  # else this test shows nothing
