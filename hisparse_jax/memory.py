@@ -81,18 +81,11 @@ def allocate(shape, dtype, fill_value, memory_kind: str, device: jax.Device | No
         # and one copy (1.2 s, no device memory: benchmarks/probes/rank_memory.py, 2026-12-03).
         return jax.device_put(np.zeros(shape, dtype), out)
 
-    on_device = out if getattr(out, "memory_kind", memory_kind) == DEVICE else out.with_memory_kind(DEVICE)
-
-    @functools.partial(jax.jit, out_shardings=on_device)
+    @functools.partial(jax.jit, out_shardings=out)
     def make():
         return jnp.full(shape, fill_value, dtype)
 
-    if on_device is out:
-        return make()
-    # Into host memory by device_put, as a jit into host memory would compute it too (above): a jit's
-    # pinned_host output keeps the device memory space in its type (JAX 0.11.2), which every later
-    # step's output has not, and jit keys its compiles on that type (the first step compiled twice).
-    return jax.device_put(make(), out)
+    return make()
 
 
 def _is_zero(fill_value) -> bool:

@@ -729,10 +729,10 @@ class Engine:
 
     def compile_decode_programs(self, *, progress: bool = False) -> None:
         """Compiles every bucket's decode programs (and their copies) side by side, with the
-        synthetic fill, one thread each (EngineConfig.compile_threads): XLA's compile releases the GIL, and at 61-78 layers one program compiles for a
-        minute or more. The steps that run them afterwards compile nothing (the lowered programs
-        share the jits' caches); tracing stays serial. On an idle engine (the selector's warm
-        clears slots)."""
+        synthetic fill, one thread each (EngineConfig.compile_threads): XLA's compile releases
+        the GIL, and at 61-78 layers one program compiles for a minute or more. The steps that
+        run them afterwards compile nothing (the lowered programs share the jits' caches);
+        tracing stays serial. On an idle engine (the selector's warm clears slots)."""
         if self.scheduler.running_slots():
             raise RuntimeError("compile_decode_programs needs an idle engine")
         lowered = []

@@ -212,8 +212,8 @@ class FamilyRunner:
         return 1
 
     def decode_programs(self, cache, b: int, topk=None) -> list:
-        """None to compile ahead (models.dsa.runner.ModelRunner's): one R-slot program, which the
-        engine's first warm step compiles."""
+        """Nothing to compile ahead (models.dsa.runner.ModelRunner lowers its programs here): one
+        R-slot program, which the engine's first warm step compiles."""
         return []
 
     def __init__(self, model, *, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, implementation: str | None = None):

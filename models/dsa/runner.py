@@ -520,7 +520,7 @@ class ModelRunner:
         """Every compiled copy of the b-slot decode step, lowered (jax.stages.Lowered) with the
         inputs a step of b inactive slots would take (topk: i32[J, b, K], the SYNTHETIC selection
         each step will pass, or None). Their .compile() fills the same jit caches a step reads, so
-        the engine compiles them side by side (Engine.compile_buckets) and the steps compile nothing."""
+        the engine compiles them side by side (Engine.compile_decode_programs) and the steps compile nothing."""
         if self.speculative is not None:  # the speculative step: compiled by its first run
             return []
         tokens, positions = np.zeros(b, np.int32), np.full(b, -1, np.int32)  # i32[b]: all inactive
