@@ -127,3 +127,23 @@ def test_capacity_ratio_pairs_each_engines_capacity_point_whatever_cap_reached_i
               point("baseline", 8, 8, 176.0), point("baseline", 64, 37, 999.0, phase="model")]  # fmt: skip
     assert capacity_ratio(points, {"hisparse": 37, "baseline": 8}) == 440.0 / 176.0
     assert capacity_ratio(points, {"hisparse": 37, "baseline": 9}) is None  # the baseline never reached 9
+
+
+def test_rank_summary_names_what_holds_each_missed_goal():
+    """benchmarks/rank_summary.py over two committed H200 rank runs: GLM-5.1 at 61,440 meets both
+    goals; DeepSeek-V3.2 at 61,440 misses both, and the summary gives the step its capacity needs
+    (37 x the baseline's 45.17 ms / (3 x 8) = 69.6 ms) and the measured split it is held by."""
+    from benchmarks.rank_summary import main, summarize
+
+    perf = os.path.join(ROOT, "docs", "perf")
+    paths = [os.path.join(perf, name) for name in (
+        "bench_serving_rank_deepseek_61440_h200_2026-12-04_s12.json", "bench_serving_rank_glm_61440_h200_2026-12-04_s13.json")]  # fmt: skip
+    deepseek, glm = summarize(paths)[0]
+    assert (glm["preset"], glm["meets_capacity_goal"], glm["meets_c1_goal"], glm["held_by"], glm["c1_held_by"]) == (
+        "glm-5.1-fp8-dp8-rank", True, True, None, None)  # fmt: skip
+    assert not deepseek["meets_capacity_goal"] and not deepseek["meets_c1_goal"]
+    held = deepseek["held_by"]
+    assert abs(held["needed_itl_ms"] - 69.6) < 0.1 and held["hisparse_itl_ms"] > held["needed_itl_ms"]
+    assert set(held["over_baseline_ms"]) == {"attention", "indexer", "moe", "dense_gemm", "swap_in", "other"}
+    assert deepseek["c1_held_by"]["host_ms"] > 0
+    assert main(["rank_summary.py", os.path.join(perf, "no_such_run.json")]) == 2
