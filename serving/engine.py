@@ -63,6 +63,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import os
 import time
 import warnings
 
@@ -140,8 +141,8 @@ class EngineConfig:
     # SGLang's overlap scheduler: step t + 1 is dispatched before step t's tokens are read, so the
     # device never waits for the host's loop (False: SGLang's --disable-overlap-schedule).
     overlap_schedule: bool = True
-    # Decode programs warmup compiles at once (compile_decode_programs): 0, one thread per program;
-    # 1, one after another.
+    # Decode programs warmup compiles at once (compile_decode_programs): 0, one thread per program
+    # up to one per 4 CPU cores (the H200 machine's 16: 4); 1, one after another.
     compile_threads: int = 0
 
     def __post_init__(self):
@@ -729,10 +730,10 @@ class Engine:
 
     def compile_decode_programs(self, *, progress: bool = False) -> None:
         """Compiles every bucket's decode programs (and their copies) side by side, with the
-        synthetic fill, one thread each (EngineConfig.compile_threads): XLA's compile releases
-        the GIL, and at 61-78 layers one program compiles for a minute or more. The steps that
-        run them afterwards compile nothing (the lowered programs share the jits' caches);
-        tracing stays serial. On an idle engine (the selector's warm clears slots)."""
+        synthetic fill, a thread each up to one per 4 cores (EngineConfig.compile_threads):
+        XLA's compile releases the GIL, and at 61-78 layers one program compiles for a minute or
+        more. The steps that run them afterwards compile nothing (the lowered programs share the
+        jits' caches); tracing stays serial. On an idle engine (the selector's warm clears slots)."""
         if self.scheduler.running_slots():
             raise RuntimeError("compile_decode_programs needs an idle engine")
         lowered = []
@@ -745,7 +746,9 @@ class Engine:
             pages = None if self.config.hisparse is None else np.zeros(self._pages_per_request, np.int32)  # i32[P]
             lowered.append(self._fill.lower(self.cache, pages, jax.random.fold_in(self._fill_key, 0)))
         bar = progress_bar(progress, total=len(lowered), desc="compile decode programs", unit="program")
-        pool = concurrent.futures.ThreadPoolExecutor(self.config.compile_threads or len(lowered))
+        # 0: a thread per program, up to one per 4 cores (XLA's own compile runs several threads each)
+        threads = self.config.compile_threads or min(len(lowered), max(1, (os.cpu_count() or 1) // 4))
+        pool = concurrent.futures.ThreadPoolExecutor(threads)
         try:
             for done in concurrent.futures.as_completed([pool.submit(program.compile) for program in lowered]):
                 done.result()  # the first failure (or Ctrl-C) raises here
