@@ -781,6 +781,8 @@ def test_decode_programs_compile_side_by_side_and_the_steps_compile_none():
     runner = ModelRunner(model, prefill_chunk=32, hisparse_cuda_graph_max_bs=1, hisparse_decode_program_copies=2)
     config = engine_config(HISPARSE, batch_buckets=True, synthetic_topk_overlap=0.75, max_running_requests=3)
     engine = Engine(runner, dataclasses.replace(config, compile_threads=4))  # threads even on 2 cores
+    with pytest.raises(UsageError, match=r"compile_threads must be an integer >= 0, got -1"):
+        dataclasses.replace(config, compile_threads=-1)
     assert engine.buckets == (1, 2, 3)
     compiled = []  # the decode step's backend compiles, as jax reports them
 
