@@ -26,6 +26,14 @@ def _uniform(keys, shape):
     return jnp.moveaxis(jax.vmap(lambda k: jax.random.uniform(k, shape))(keys), 0, 1)
 
 
+def _draws(keys, num_layers: int, m: int):
+    """keys [R] -> f32[J, R, m] uniform draws, draw i of each (layer, slot) the same whatever m:
+    threefry's counters run over an [m, J] shape (jax_threefry_partitionable, JAX's default), so
+    a shorter run of draws is a prefix of a longer one. synthetic_topk's two forms then pick a
+    steady request's fresh positions alike, so its selections do not depend on its neighbours."""
+    return jnp.transpose(jax.vmap(lambda k: jax.random.uniform(k, (m, num_layers)))(keys), (2, 0, 1))
+
+
 def _member(values, sorted_set):
     """values i32[..., N], sorted_set i32[..., S] (ascending) -> bool[..., N]: each value in the set."""
     flat_values, flat_set = values.reshape(-1, values.shape[-1]), sorted_set.reshape(-1, sorted_set.shape[-1])
@@ -48,7 +56,7 @@ def fresh_positions(key_fresh, previous_sorted, n, count: int):
     n: i32[1, R, 1] context lengths -> i32[J, R, count]."""
     J = previous_sorted.shape[0]
     m = 4 * count + 64
-    draws = jnp.minimum((_uniform(key_fresh, (J, m)) * n).astype(jnp.int32), jnp.maximum(n - 1, 0))  # i32[J, R, m]
+    draws = jnp.minimum((_draws(key_fresh, J, m) * n).astype(jnp.int32), jnp.maximum(n - 1, 0))  # i32[J, R, m]
     order = jnp.argsort(draws, axis=-1, stable=True)  # equal values: the earliest draw first
     by_value = jnp.take_along_axis(draws, order, axis=-1)
     first_sorted = jnp.concatenate([jnp.ones_like(by_value[..., :1], bool), by_value[..., 1:] != by_value[..., :-1]], axis=-1)

@@ -345,6 +345,25 @@ def test_synthetic_selection_overlap_is_its_parameter(overlap):
         assert abs(np.mean(fresh) - 0.5) < 0.05 and np.quantile(fresh, 0.1) < 0.2 and np.quantile(fresh, 0.9) > 0.8, np.mean(fresh)
 
 
+def test_synthetic_selection_of_a_steady_request_does_not_depend_on_the_step_form():
+    """A request with a whole previous selection gets the same next one whether its step takes the
+    steady form (K - keep fresh draws) or the starting form (K: a neighbour starts), so a request's
+    selections, and with them HiSparse's and the baseline's tokens, do not depend on what runs
+    beside it (the two engines' schedules differ under a device budget)."""
+    from serving.synthetic_selection import synthetic_topk
+
+    J, R, K = 2, 3, 32
+    rng = np.random.default_rng(4)
+    lengths = jnp.asarray([300, 90, 1000], jnp.int32)  # i32[R]
+    previous = jnp.asarray(np.stack([np.stack([rng.choice(int(n) - 1, K, replace=False) for n in lengths]) for _ in range(J)]), jnp.int32)
+    keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.key(7), r))(jnp.arange(R))
+    steady = synthetic_topk(keys, previous, lengths, overlap=0.75, steady=True)  # i32[J, R, K]
+    starting = synthetic_topk(keys, previous, lengths, overlap=0.75, steady=False)
+    np.testing.assert_array_equal(np.asarray(steady), np.asarray(starting))
+    kept = [len(set(np.asarray(steady)[j, r]) & set(np.asarray(previous)[j, r])) for j in range(J) for r in range(R)]
+    assert kept == [round(0.75 * K)] * (J * R)  # a real step: 24 kept, 8 fresh
+
+
 def test_synthetic_selection_picks_its_form_on_the_host_as_the_device_would():
     """The selector's step form (`steady`: fewer fresh draws once every request longer than K has
     a whole previous selection) comes from host bookkeeping, not a lax.cond whose predicate the
