@@ -203,10 +203,10 @@ def device_pool_states(make_states):
     interpret mode cannot lower a jit taking a pinned_host array on CPU (docs/tpu.md); on a TPU
     the pool stays pinned_host."""
 
-    def make(dtype, layout_kind):
+    def make(dtype, layout_kind, miss_read="copy"):
         from hisparse_jax import memory
 
-        hisparse, full = make_states(dtype, layout_kind)
+        hisparse, full = make_states(dtype, layout_kind, miss_read)
         pool = jax.device_put(hisparse.host_pool, memory.sharding(memory.DEVICE))
         return hisparse.replace(host_pool=pool), full
 
