@@ -181,9 +181,12 @@ def test_run_decode_serves_tiny_family_model(tmp_path, model):
     the same tokens, misses, results.json and the plots written."""
     import json
 
+    # DeepSeek-V4's compressed rows (one per 4 tokens: 16 at 64) fit its default buffer of 2 x top_k = 16
+    # rows, which would miss nothing: a buffer of 9 makes its HiSparse run copy rows in.
+    buffer = ['--hisparse_config={"device_buffer_size": 9}'] if model == "deepseek_v4_tiny" else []
     done = run_decode(f"--model={model}", "--num_prompts=3", "--random_input_len=64", "--random_output_len=6",
                       "--max_concurrency=2", "--max_running_requests=2", "--device_buffer_sweep=", "--dtype=float32",
-                      "--noprogress", f"--output_dir={tmp_path}")  # fmt: skip
+                      "--noprogress", f"--output_dir={tmp_path}", *buffer)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "same tokens for every request in every run: True" in done.stdout
     with open(tmp_path / "results.json") as f:
