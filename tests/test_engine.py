@@ -6,6 +6,7 @@ Float32 tiny model with random weights; HiSparse buffers barely above top_k so d
 and evicts; unwritten KV rows are NaN so any stray read would poison the tokens.
 """
 
+import contextlib
 import dataclasses
 import os
 
@@ -792,6 +793,23 @@ def test_decode_program_copies_run_in_turn_with_the_same_tokens():
     assert fns["decode"]._cache_size() == fns["decode_copy1"]._cache_size() == len(engine.buckets) > 1
 
 
+@contextlib.contextmanager
+def backend_compiles(*names):
+    """-> the list of backend compiles JAX reports inside the block (jit names), of functions whose
+    name holds one of `names`."""
+    compiled = []
+
+    def listen(event, duration, *, fun_name="", **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration" and any(name in fun_name for name in names):
+            compiled.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield compiled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
 def test_decode_programs_compile_side_by_side_and_the_steps_compile_none():
     """Engine.compile_decode_programs compiles every bucket's decode programs at once (each copy;
     a bucket past cuda_graph_max_bs its one program without graphs), the SYNTHETIC selection's
@@ -803,22 +821,13 @@ def test_decode_programs_compile_side_by_side_and_the_steps_compile_none():
     with pytest.raises(UsageError, match=r"compile_threads must be an integer >= 0, got -1"):
         dataclasses.replace(config, compile_threads=-1)
     assert engine.buckets == (1, 2, 3)
-    compiled = []  # the decode step's backend compiles, as jax reports them
-
-    def listen(event, duration, *, fun_name="", **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration" and "greedy_decode_step" in fun_name:
-            compiled.append(fun_name)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with backend_compiles("greedy_decode_step") as compiled:
         engine.compile_decode_programs()
         assert len(compiled) == 2 + 1 + 1, compiled  # b = 1: two copies; b = 2, 3: one each, no graphs
         requests = random_requests(num_prompts=4, input_len=20, output_len=4, range_ratio=0.2, vocab_size=TINY.vocab_size, seed=5)
         engine.warmup(requests)
         result = engine.run(requests, max_concurrency=3)
         assert len(compiled) == 4, compiled
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert max(step.batch for step in result.steps) == 3
     reference = Engine(ModelRunner(model, prefill_chunk=32), config).run(requests, max_concurrency=3)  # one program a bucket
     for request in requests:
@@ -835,22 +844,13 @@ def test_decode_programs_take_the_cache_as_a_kernel_hands_it_on():
     runner = ModelRunner(model, prefill_chunk=32, implementation="pallas", kv_cache_dtype="fp8_e4m3")
     engine = Engine(runner, EngineConfig(max_running_requests=3, context_length=128, hisparse=HISPARSE, synthetic_context=True,
                                          synthetic_topk_overlap=0.9, page_size=64, batch_buckets=(1, 3)))  # fmt: skip
-    compiled = []  # the decode step's and the synthetic fill's backend compiles
-
-    def listen(event, duration, *, fun_name="", **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration" and ("greedy_decode_step" in fun_name or "_fill" in fun_name):
-            compiled.append(fun_name)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        fresh = jax.typeof(engine.cache.kv.host_pool)
+    fresh = jax.typeof(engine.cache.kv.host_pool)
+    with backend_compiles("greedy_decode_step", "_fill") as compiled:
         engine.compile_decode_programs()
         assert sorted(compiled) == ["jit(_fill)"] + ["jit(_greedy_decode_step)"] * 2, compiled
         engine.warmup([Request(0, np.zeros(100, np.int32), 2)])
         engine.run([Request(1, np.zeros(90, np.int32), 3)])  # a fill on the cache the steps handed on
         assert len(compiled) == 3, compiled
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert jax.typeof(engine.cache.kv.host_pool) != fresh  # else this test shows nothing
 
 
