@@ -758,9 +758,11 @@ class Engine:
             bar.close()
 
     def compile_buckets(self, *, progress: bool = False) -> None:
-        """Compiles the decode step (and the synthetic selector) for every batch bucket by
-        running one step with every slot of the bucket inactive: nothing is written, read or
-        moved, and the timed run that follows compiles nothing."""
+        """Runs one decode step of every batch bucket (each compiled copy once) with every slot
+        inactive: nothing is written, read or moved. After compile_decode_programs this compiles
+        no decode program (called alone, it compiles them one by one); it still compiles the
+        synthetic selector, the compaction's move and residency's changes, and on a GPU records
+        each program's CUDA graphs, so the timed run that follows compiles and records nothing."""
         if self.scheduler.running_slots():
             raise RuntimeError("compile_buckets needs an idle engine")
         bar = progress_bar(progress, total=len(self.buckets), desc="compile decode buckets", unit="bucket")

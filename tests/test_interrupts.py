@@ -7,28 +7,35 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The run swallows the first KeyboardInterrupt (as a gc callback would) and would then sleep for a
-# minute and exit 0; the watchdog's second one must end it with the entry point's status 130.
-SCRIPT = """
-import sys, time
+
+def entry_point(run: str, before: str = "") -> str:
+    """A script whose entry point handles Ctrl-C as serving.interrupts says (`interrupted`,
+    status 130): `before` at top level, then `run` (indented 4) inside its try."""
+    return f"""
+import gc, sys, time
 from serving import interrupts
 interrupts.install()
+{before}
 try:
-    try:
-        print("ready", flush=True)  # inside the try that swallows: the signal may come at once
-        time.sleep(30)
-    except KeyboardInterrupt:
-        print("swallowed", flush=True)
-    time.sleep(30)
-    interrupts.raise_if_requested()
+{run}
 except KeyboardInterrupt:
     interrupts.handled()
     print("interrupted", flush=True)
     sys.exit(130)
 finally:
     interrupts.handled()
-print("finished", flush=True)
 """
+
+# The run swallows the first KeyboardInterrupt (as a gc callback would) and would then sleep for a
+# minute and exit 0; the watchdog's second one must end it with the entry point's status 130.
+SCRIPT = entry_point("""\
+    try:
+        print("ready", flush=True)  # inside the try that swallows: the signal may come at once
+        time.sleep(30)
+    except KeyboardInterrupt:
+        print("swallowed", flush=True)
+    time.sleep(30)
+    interrupts.raise_if_requested()""") + 'print("finished", flush=True)\n'
 
 
 def interrupt_once(script: str) -> tuple[int, str, str]:
@@ -59,25 +66,14 @@ def test_without_ctrl_c_nothing_is_raised():
 
 # The run's cleanup (an except block, as the engine's abort) takes longer than the watchdog's
 # period: a repeat must not cut it short.
-CLEANUP = """
-import sys, time
-from serving import interrupts
-interrupts.install()
-try:
+CLEANUP = entry_point("""\
     try:
         print("ready", flush=True)
         time.sleep(30)
     except BaseException:
         time.sleep(2.5 * interrupts.RERAISE_EVERY_S)
         print("cleaned", flush=True)
-        raise
-except KeyboardInterrupt:
-    interrupts.handled()
-    print("interrupted", flush=True)
-    sys.exit(130)
-finally:
-    interrupts.handled()
-"""
+        raise""")
 
 
 def test_a_repeat_does_not_cut_cleanup_short():
@@ -89,11 +85,8 @@ def test_a_repeat_does_not_cut_cleanup_short():
 # The Ctrl-C lands inside a gc callback (as in JAX's _xla_gc_callback): Python reports it as an
 # "Exception ignored" with a traceback and goes on. The run must still end with status 130 and
 # print no traceback.
-IN_GC_CALLBACK = """
-import gc, sys, time
-from serving import interrupts
-interrupts.install()
-
+IN_GC_CALLBACK = entry_point(
+    before="""
 def slow(phase, info):
     if phase == "start":
         try:
@@ -106,19 +99,13 @@ def slow(phase, info):
             raise
 
 slow.ready = False
-gc.callbacks.append(slow)
-try:
+gc.callbacks.append(slow)""",
+    run="""\
     deadline = time.time() + 3
     while time.time() < deadline:
         gc.collect()
-    interrupts.raise_if_requested()
-except KeyboardInterrupt:
-    interrupts.handled()
-    print("interrupted", flush=True)
-    sys.exit(130)
-finally:
-    interrupts.handled()
-"""
+    interrupts.raise_if_requested()""",
+)
 
 
 def test_a_ctrl_c_swallowed_in_a_gc_callback_prints_no_traceback():

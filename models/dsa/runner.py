@@ -142,9 +142,13 @@ class DecodeGraphs(NamedTuple):
     cuda_graph_max_bs: int | None  # buckets of more slots: the same step without command buffers
     program_copies: int  # compiled copies of each graph-keeping program, run in turn
 
+    def keeps_graphs(self, b: int) -> bool:
+        """Whether the b-slot step compiles with these options (else without command buffers)."""
+        return self.cuda_graph_max_bs is None or b <= self.cuda_graph_max_bs
+
     def copies_for(self, b: int) -> int:
         """The copies a b-slot step runs in turn (one where it keeps no graphs)."""
-        return 1 if self.cuda_graph_max_bs is not None and b > self.cuda_graph_max_bs else self.program_copies
+        return self.program_copies if self.keeps_graphs(b) else 1
 
 
 class ModelRunner:
@@ -494,7 +498,7 @@ class ModelRunner:
         (None: the next in turn, which advances it)."""
         fns = self._jitted(cache)
         graphs = self.decode_graphs(cache)
-        if graphs.cuda_graph_max_bs is not None and b > graphs.cuda_graph_max_bs:
+        if not graphs.keeps_graphs(b):
             return fns["decode_without_graphs"], "no graphs"
         if turn is None:  # the copies in turn, per cache kind and bucket (one copy: always "decode")
             key = (id(fns), b)  # fns: this cache kind's jits
