@@ -183,7 +183,7 @@ flags.DEFINE_integer(
 flags.DEFINE_integer(
     "compile_threads", 0,
     "EngineConfig(compile_threads): decode programs an engine's warm-up compiles at once (0: all of them, up to one"
-    " per 4 CPU cores; 1: one after another). GLM-5.1's 78-layer baseline compiled in 133.5 s with two at once, 261 s before.",
+    " per 4 CPU cores and one per 8 GiB of available host memory; 1: one after another). GLM-5.1's 78-layer baseline compiled in 133.5 s with two at once, 261 s before.",
     lower_bound=0,
 )
 flags.DEFINE_bool(

@@ -25,7 +25,7 @@
 # layers its step was fastest so at c = 1 (32.10 ms against 37.31 without graphs) and without graphs at
 # capacity, while the baseline's is fastest with graphs everywhere (PERFORMANCE.md, eleventh and twelfth
 # sessions); GLM-5.1 at 78 layers gave 3.59x / 0.96x with them (thirteenth session).
-# COMPILE_THREADS (decode programs each engine compiles at once; 0: all, up to one per 4 cores), SPY_AT ("200 330": py-spy's
+# COMPILE_THREADS (decode programs each engine compiles at once; 0: all, up to one per 4 cores and per 8 GiB of free host memory), SPY_AT ("200 330": py-spy's
 # native stacks of every thread at those seconds, spy_<t>s.txt, and host_memory.txt).
 # ADDRESSES (1: each point's buffer_moves in the JSON, which of a step's inputs and outputs moved between
 # runs of the same program; set it to anything to turn it on).

@@ -80,6 +80,7 @@ from models.common.runner import PrefillJob, StepResult, TokenFeed, padded_promp
 from models.dsa.decoding import DecodeCache
 from models.dsa.runner import ModelRunner
 from serving.errors import UsageError
+from serving.fit import available_host_bytes
 from serving.residency import ResidencyManager
 from serving.scheduler import Admission, DataParallelScheduler, Scheduler
 from serving.synthetic_fill import SyntheticFill
@@ -119,6 +120,22 @@ def batch_buckets(num_slots: int) -> tuple[int, ...]:
     return tuple(1 << i for i in range(num_slots.bit_length()) if 1 << i < num_slots) + (num_slots,)
 
 
+# Host memory one decode program's compile is given (auto_compile_threads). Three GLM-5.1 rank
+# programs (78 layers) at once took 8 GB (72 -> 80 GB used); DeepSeek-V3.2's engine at 131,072
+# tokens (a 105 GB pinned pool on a 128 GB host) was killed (SIGKILL) compiling four at once.
+COMPILE_HOST_BYTES = 8 << 30
+
+
+def auto_compile_threads(programs: int, cpus: int | None, available_bytes: int | None) -> int:
+    """Compiles to run at once for EngineConfig.compile_threads = 0: one per program, up to one
+    per 4 CPU cores (XLA's own compile runs several threads each) and one per COMPILE_HOST_BYTES
+    of the host's available memory (None: unknown, not capped); at least one."""
+    threads = min(programs, (cpus or 1) // 4)
+    if available_bytes is not None:
+        threads = min(threads, available_bytes // COMPILE_HOST_BYTES)
+    return max(1, threads)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     max_running_requests: int  # R: request slots, the static decode batch
@@ -142,7 +159,8 @@ class EngineConfig:
     # device never waits for the host's loop (False: SGLang's --disable-overlap-schedule).
     overlap_schedule: bool = True
     # Decode programs warmup compiles at once (compile_decode_programs): 0, one thread per program
-    # up to one per 4 CPU cores (the H200 machine's 16: 4); 1, one after another.
+    # up to one per 4 CPU cores (the H200 machine's 16: 4) and one per COMPILE_HOST_BYTES of
+    # available host memory (auto_compile_threads); 1, one after another.
     compile_threads: int = 0
 
     def __post_init__(self):
@@ -730,7 +748,8 @@ class Engine:
 
     def compile_decode_programs(self, *, progress: bool = False) -> None:
         """Compiles every bucket's decode programs (and their copies) side by side, with the
-        synthetic fill, a thread each up to one per 4 cores (EngineConfig.compile_threads):
+        synthetic fill, a thread each as cores and host memory allow (EngineConfig.compile_threads,
+        auto_compile_threads):
         XLA's compile releases the GIL, and at 61-78 layers one program compiles for a minute or
         more. The steps that run them afterwards compile nothing (the lowered programs share the
         jits' caches); tracing stays serial. On an idle engine (the selector's warm clears slots)."""
@@ -746,8 +765,7 @@ class Engine:
             pages = None if self.config.hisparse is None else np.zeros(self._pages_per_request, np.int32)  # i32[P]
             lowered.append(self._fill.lower(self.cache, pages, jax.random.fold_in(self._fill_key, 0)))
         bar = progress_bar(progress, total=len(lowered), desc="compile decode programs", unit="program")
-        # 0: a thread per program, up to one per 4 cores (XLA's own compile runs several threads each)
-        threads = self.config.compile_threads or min(len(lowered), max(1, (os.cpu_count() or 1) // 4))
+        threads = self.config.compile_threads or auto_compile_threads(len(lowered), os.cpu_count(), available_host_bytes())
         pool = concurrent.futures.ThreadPoolExecutor(threads)
         try:
             for done in concurrent.futures.as_completed([pool.submit(program.compile) for program in lowered]):

@@ -18,7 +18,7 @@ from flax import nnx
 
 from configs.model import DSAModelConfig
 from hisparse_jax.config import HiSparseConfig
-from serving.engine import batch_buckets, Engine, EngineConfig
+from serving.engine import COMPILE_HOST_BYTES, auto_compile_threads, batch_buckets, Engine, EngineConfig
 from serving.errors import UsageError
 from hisparse_jax.host_pages import HostPageAllocator
 from serving.workload import Request, random_requests
@@ -832,6 +832,19 @@ def test_decode_programs_compile_side_by_side_and_the_steps_compile_none():
     reference = Engine(ModelRunner(model, prefill_chunk=32), config).run(requests, max_concurrency=3)  # one program a bucket
     for request in requests:
         np.testing.assert_array_equal(result.tokens[request.id], reference.tokens[request.id])
+
+
+def test_auto_compile_threads_bounded_by_programs_cores_and_host_memory():
+    """compile_threads = 0: a compile per program, no more than a quarter of the cores or one per
+    COMPILE_HOST_BYTES of available host memory (the DeepSeek-V3.2 rank at 131,072 tokens, a
+    105 GB pinned pool on a 128 GB host, was killed compiling four at once); never none."""
+    gib = 1 << 30
+    assert auto_compile_threads(4, 16, 50 * gib) == 4  # GLM-5.1's rank at 61,440: unchanged
+    assert auto_compile_threads(3, 16, None) == 3  # memory unknown: not capped
+    assert auto_compile_threads(4, 16, 15 * gib) == 1  # what a 105 GB pool leaves of 128 GB
+    assert auto_compile_threads(4, 16, 20 * gib) == 20 * gib // COMPILE_HOST_BYTES
+    assert auto_compile_threads(4, 2, 100 * gib) == 1  # CI's 2 cores
+    assert auto_compile_threads(4, None, 0) == 1
 
 
 def test_decode_programs_take_the_cache_as_a_kernel_hands_it_on():
