@@ -149,3 +149,18 @@ def test_va_remap_child_runs_its_step_exactly_on_the_cpu():
     )  # fmt: skip
     result = json.loads(next(line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")))
     assert result["ran"] and result["mismatched_steps"] == 0 and result["state_equal"], result
+
+
+def test_copy_row_rate_probe_checks_every_copy_bit_for_bit(tmp_path):
+    """The probe's smoke run (CPU, interpret mode): every launch shape's copy leaves the copied
+    layer's buffer exactly as expected (the missed rows in their slots, 0xFF.. elsewhere)."""
+    out = tmp_path / "probe.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "copy_row_rate.py"), "--smoke", "--kinds=fp8_e4m3",
+         "--rows=16", "--programs_per_sm=4", f"--out={out}"],
+        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["layers"], r["sweep_mb"]) for r in rows] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert all(r["exact"] is True and r["misses"] == 5 for r in rows)

@@ -1,0 +1,142 @@
+"""The miss copy's rate from the pinned pool, as the rank runs it against the bench's: does the copy
+slow down with the pool's size, with L2 and TLBs cold from other work, or with fp8 rows?
+
+    XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=100 python benchmarks/probes/copy_row_rate.py --out=$OUT/copy_row_rate.json
+
+Why: in DeepSeek-V3.2's rank at 40,960 tokens (50 running, fp8 rows of 656 B, 61 layers) the copy
+took 14.4 ms a step: ~42 rows/us, 27.7 GB/s (PERFORMANCE.md, fourteenth session). The kernel bench
+moved 43.6 rows/us of 1152 B rows (50 GB/s, a 9.66 GB pool) and the attention probe ~68 rows/us
+of fp8 rows (~45 GB/s, a 1 GB pool). Same kernel, same grid; what differs in the rank is the pool
+(~100 GB over 61 layers) and the work between two layers' copies (the MoE streams GBs of weights).
+
+Per case (row kind, R requests x M misses, pool layers L) one pinned pool of L x R x C rows (C
+tokens a request); the copied layer is the last. The rows read hold random bytes, every buffer
+slot starts as 0xFF.. bytes; after each copy the buffer must equal that with the missed rows in
+their slots, bit for bit (checked on the host for every case and launch shape). Between calls,
+--sweep_mb of HBM is read and written when > 0 (what a layer's other work does to L2 and TLBs).
+Device time per call: the copy kernel's own duration (benchmarks/device_timing.py), median over
+--reps calls, p10 / p90; rows/us and GB/s of row bytes. --smoke: tiny sizes on the CPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from benchmarks import device_timing  # noqa: E402
+from hisparse_jax import memory  # noqa: E402
+from hisparse_jax.row_layout import KVRowLayout  # noqa: E402
+from pallas_kernels.row_copy import copy_host_rows_to_buffer_pallas, write_rows_to_host  # noqa: E402
+
+flags.DEFINE_string("out", "outputs/copy_row_rate.json", "Where the JSON goes.")
+flags.DEFINE_list("kinds", ["fp8_e4m3", "bfloat16"], "Row layouts (KVRowLayout kinds): 656 B and 1152 B rows.")
+flags.DEFINE_list("cases", ["50x199", "9x203", "1x203"], "R requests x M misses each (the ranks' capacity and c = 1 shapes).")
+flags.DEFINE_list("layers", ["1", "61"], "Pool layers L (the pool: L x R x C rows).")
+flags.DEFINE_integer("context", 40960, "C: pool rows per request and layer.")
+flags.DEFINE_list("rows", ["16", "32"], "Rows per work item (HiSparseConfig.copy_rows_per_program).")
+flags.DEFINE_list("programs_per_sm", ["4", "8"], "Copy programs per SM.")
+flags.DEFINE_list("sweep_mb", ["0", "1024"], "HBM read and written between calls (0: none).")
+flags.DEFINE_integer("reps", 20, "Timed calls per launch shape.")
+flags.DEFINE_float("max_pool_gb", 90, "Cases whose pool is larger are skipped (the H200 machine has 128 GB of RAM).")
+flags.DEFINE_bool("smoke", False, "Tiny sizes (CPU, interpret mode): the script's own test.")
+FLAGS = flags.FLAGS
+
+LATENT, ROPE, K, BUFFER_SLOTS = 512, 64, 2048, 4096
+COPY_KERNEL = "hisparse_copy_host_rows"
+
+
+def make_case(kind: str, R: int, M: int, L: int, C: int, rng) -> dict:
+    """The pool (zeros but for the M random rows each request misses, in layer L - 1), the device
+    buffer of every layer (0xFF.. bytes, as the engine's [L, R, B, W]) and the plan's miss lists,
+    with what the copied layer's buffer must hold after a copy."""
+    layout = KVRowLayout(LATENT, ROPE, kind)
+    W, dtype = layout.width, layout.dtype
+    pool = memory.allocate((L, R * C, W), dtype, 0, memory.PINNED_HOST)  # row[L, S, W]
+    miss_host = np.full((R, K), -1, np.int32)  # i32[R, K]
+    miss_device = np.full((R, K), -1, np.int32)
+    for r in range(R):
+        miss_host[r, :M] = r * C + rng.choice(C, M, replace=False)
+        miss_device[r, :M] = rng.choice(BUFFER_SLOTS, M, replace=False)
+    rows = rng.integers(0, 256, (R * M, W * dtype.itemsize), np.uint8).view(dtype)  # row[R M, W]: random bytes
+    pool = write_rows_to_host(pool, L - 1, jnp.asarray(rows), jnp.asarray(miss_host[:, :M].reshape(-1)))
+    full = np.frombuffer(b"\xff" * dtype.itemsize, dtype)[0]
+    expected = np.full((R, BUFFER_SLOTS, W), full, dtype)  # row[R, B, W]: layer L - 1 after a copy
+    for r in range(R):
+        expected[r, miss_device[r, :M]] = rows[r * M : (r + 1) * M]
+    return dict(pool=pool, buffer=memory.allocate((L, R, BUFFER_SLOTS, W), dtype, full, memory.DEVICE), expected=expected,
+                layer=L - 1, row_bytes=W * dtype.itemsize, rows=R * M,
+                miss_host=jnp.asarray(miss_host), miss_device=jnp.asarray(miss_device), counts=jnp.full((R,), M, jnp.int32))  # fmt: skip
+
+
+def time_shape(c: dict, rows: int, programs: int, sweep_mb: int, reps: int) -> dict:
+    """Copies layer L - 1's misses `reps` times (the buffer donated, as in a step), a sweep of
+    sweep_mb of HBM before each; -> the copy kernel's device time and the host check."""
+    copy = jax.jit(
+        lambda pool, buffer: copy_host_rows_to_buffer_pallas(pool, buffer, c["layer"], c["miss_host"], c["miss_device"], c["counts"], rows=rows, programs=programs),
+        donate_argnums=1,
+    )  # fmt: skip
+    sweep = jax.jit(lambda x: x + 1, donate_argnums=0)
+    scratch = [jnp.zeros(max(sweep_mb, 1) << 18, jnp.uint32)]  # u32[sweep_mb MB / 4]
+
+    def call():
+        if sweep_mb:
+            scratch[0] = sweep(scratch[0])
+        c["buffer"] = copy(c["pool"], c["buffer"])
+        jax.block_until_ready(c["buffer"])
+
+    call()  # compile
+    events, _ = device_timing.record(call, reps)
+    got = np.asarray(c["buffer"][c["layer"]])
+    row = dict(rows_per_item=rows, programs=programs, sweep_mb=sweep_mb, exact=bool(np.array_equal(got.view(np.uint8), c["expected"].view(np.uint8))))
+    durations = [e.duration_ns / 1e3 for e in events if COPY_KERNEL in e.name]
+    if durations:
+        row.update(device_timing.summary(durations, "copy"))
+        row["rows_per_us"] = c["rows"] / row["copy_us"]
+        row["GB_per_s"] = c["rows"] * c["row_bytes"] / row["copy_us"] / 1e3
+    return row
+
+
+def main(_):
+    rng = np.random.default_rng(0)
+    smoke = FLAGS.smoke
+    cases = ["2x5"] if smoke else FLAGS.cases
+    layers = ["1", "2"] if smoke else FLAGS.layers
+    context, reps = (64, 2) if smoke else (FLAGS.context, FLAGS.reps)
+    shapes = list(itertools.product([int(x) for x in FLAGS.rows], [int(x) for x in FLAGS.programs_per_sm], [int(x) for x in FLAGS.sweep_mb]))
+    sms = getattr(jax.devices()[0], "core_count", None) or 2
+    results = []
+    for kind, case, L in itertools.product(FLAGS.kinds, cases, (int(x) for x in layers)):
+        R, M = (int(x) for x in case.split("x"))
+        pool_bytes = L * R * context * KVRowLayout(LATENT, ROPE, kind).bytes_per_row
+        if pool_bytes > FLAGS.max_pool_gb * 1e9:
+            print(f"skipped {kind} {case} at {L} layers: a {pool_bytes / 1e9:.0f} GB pool (--max_pool_gb={FLAGS.max_pool_gb:g})", flush=True)
+            continue
+        c = make_case(kind, R, M, L, context, rng)
+        pool_gb = c["pool"].size * c["pool"].dtype.itemsize / 1e9
+        for rows, per_sm, sweep_mb in shapes:
+            row = dict(kind=kind, requests=R, misses=M, layers=L, pool_gb=pool_gb, programs_per_sm=per_sm,
+                       **time_shape(c, rows, per_sm * sms, 1 if smoke and sweep_mb else sweep_mb, reps))  # fmt: skip
+            results.append(row)
+            print(json.dumps(row), flush=True)
+        del c
+    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+    with open(FLAGS.out, "w") as f:
+        json.dump(dict(device=str(jax.devices()[0]), context=context, rows=results), f, indent=1)
+    bad = [r for r in results if not r["exact"]]
+    if bad:
+        print(f"{len(bad)} of {len(results)} copies differ from the expected buffer", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(lambda argv: sys.exit(main(argv)))
