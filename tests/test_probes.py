@@ -164,3 +164,20 @@ def test_copy_row_rate_probe_checks_every_copy_bit_for_bit(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["layers"], r["sweep_mb"]) for r in rows] == [(1, 0), (1, 1), (2, 0), (2, 1)]
     assert all(r["exact"] is True and r["misses"] == 5 for r in rows)
+
+
+def test_dense_fp8_linear_probe_finds_the_models_projections_and_checks_each_tile(tmp_path):
+    """The probe's smoke run (tiny config, CPU, interpret mode): every fp8 projection of a MoE
+    layer and the dense MLP found by walking the model, each tile equal to the current one."""
+    out = tmp_path / "probe.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "dense_fp8_linear.py"), "--smoke", f"--out={out}"],
+        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    names = {r["projection"] for r in rows}
+    assert {"self_attn.q_b_proj", "self_attn.o_proj", "self_attn.indexer.wq_b", "mlp.shared_experts.down_proj", "mlp.gate_proj"} <= names
+    assert "mla.value_lift" in names and not any("experts.gate_up" in n for n in names)
+    tuned = [r for r in rows if r.get("variant") == "m16"]
+    assert tuned and all(r["rows"] == 3 and r["equal_to_current"] for r in tuned)
