@@ -8,6 +8,18 @@ from benchmarks.probes import command_buffer_updates, pass_times, spy_top, state
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def smoke_run(tmp_path, script: str, *flags: str) -> dict:
+    """benchmarks/probes/<script> --smoke on the CPU (interpret mode) -> its JSON; it must exit 0
+    (each probe exits 1 when a check fails)."""
+    out = tmp_path / "probe.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "probes", script), "--smoke", *flags, f"--out={out}"],
+        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
 def test_pass_times_sums_each_pass_over_its_runs():
     lines = [
         "I1203 hlo_pass_pipeline.cc:206] HLO pass: dce time: 10 us (10 us) (cumulative: 10 us)",
@@ -117,13 +129,7 @@ def test_state_copies_finds_each_copy_of_a_parameter_through_bitcasts_and_copies
 def test_indexer_fp8_tiling_probe_checks_every_shape_against_the_reference(tmp_path):
     """The probe's smoke run (CPU, interpret mode): each scoring shape checked against the jnp
     reference, each top-k exactly against lax.top_k, exit 0 only when all pass."""
-    out = tmp_path / "probe.json"
-    done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "indexer_fp8_tiling.py"), "--smoke", f"--out={out}"],
-        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    (size,) = json.loads(out.read_text())["sizes"]
+    (size,) = smoke_run(tmp_path, "indexer_fp8_tiling.py")["sizes"]
     assert [v["tuning"] for v in size["variants"]] == [{}, {"keys_major": True, "block_c": 32, "blocks_per_program": 2}]
     assert all(v["checked"] is True for v in size["variants"]) and all(v["exact"] is True for v in size["topk"])
     assert all(c["max_abs_score"] > 0 for c in size["checks"].values())  # the check compared real scores
@@ -154,14 +160,7 @@ def test_va_remap_child_runs_its_step_exactly_on_the_cpu():
 def test_copy_row_rate_probe_checks_every_copy_bit_for_bit(tmp_path):
     """The probe's smoke run (CPU, interpret mode): every launch shape's copy leaves the copied
     layer's buffer exactly as expected (the missed rows in their slots, 0xFF.. elsewhere)."""
-    out = tmp_path / "probe.json"
-    done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "copy_row_rate.py"), "--smoke", "--kinds=fp8_e4m3",
-         "--rows=16", "--programs_per_sm=4", f"--out={out}"],
-        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = smoke_run(tmp_path, "copy_row_rate.py", "--kinds=fp8_e4m3", "--rows=16", "--programs_per_sm=4")["rows"]
     assert [(r["layers"], r["sweep_mb"]) for r in rows] == [(1, 0), (1, 1), (2, 0), (2, 1)]
     assert all(r["exact"] is True and r["misses"] == 5 for r in rows)
 
@@ -169,13 +168,7 @@ def test_copy_row_rate_probe_checks_every_copy_bit_for_bit(tmp_path):
 def test_dense_fp8_linear_probe_finds_the_models_projections_and_checks_each_tile(tmp_path):
     """The probe's smoke run (tiny config, CPU, interpret mode): every fp8 projection of a MoE
     layer and the dense MLP found by walking the model, each tile equal to the current one."""
-    out = tmp_path / "probe.json"
-    done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "dense_fp8_linear.py"), "--smoke", f"--out={out}"],
-        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = smoke_run(tmp_path, "dense_fp8_linear.py")["rows"]
     names = {r["projection"] for r in rows}
     assert {"self_attn.q_b_proj", "self_attn.o_proj", "self_attn.indexer.wq_b", "mlp.shared_experts.down_proj", "mlp.gate_proj"} <= names
     assert "mla.value_lift" in names and not any("experts.gate_up" in n for n in names)

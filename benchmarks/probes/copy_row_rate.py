@@ -147,6 +147,8 @@ def main(_):
                        **time_shape(c, rows, per_sm * sms, 1 if smoke and sweep_mb else sweep_mb, reps))  # fmt: skip
             results.append(row)
             print(json.dumps(row), flush=True)
+        c["pool"].delete()  # ~82 GB pinned at 61 layers: freed before the next case's
+        c["buffer"].delete()
         del c
         save()
     save()
