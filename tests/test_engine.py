@@ -834,6 +834,21 @@ def test_decode_programs_compile_side_by_side_and_the_steps_compile_none():
         np.testing.assert_array_equal(result.tokens[request.id], reference.tokens[request.id])
 
 
+def test_decode_programs_of_engines_with_other_slot_counts_sharing_a_runner():
+    """bench_serving builds engines of several slot counts on one runner: each engine's programs
+    are lowered with its own cache's types (a cache of 1 slot and one of 3 have the same tree),
+    and its steps then compile nothing more."""
+    runner = ModelRunner(DSAForCausalLM(TINY, dtype=jnp.float32, rngs=nnx.Rngs(0)), prefill_chunk=32)
+    requests = random_requests(num_prompts=3, input_len=20, output_len=3, range_ratio=0.2, vocab_size=TINY.vocab_size, seed=7)
+    for slots in (1, 3):
+        engine = Engine(runner, engine_config(None, max_running_requests=slots, batch_buckets=(slots,)))
+        with backend_compiles("greedy_decode_step") as compiled:
+            engine.compile_decode_programs()
+            assert len(compiled) == 1, compiled
+            engine.run(requests, max_concurrency=slots)
+            assert len(compiled) == 1, compiled
+
+
 def test_auto_compile_threads_bounded_by_programs_cores_and_host_memory():
     """compile_threads = 0: a compile per program, no more than a quarter of the cores or one per
     COMPILE_HOST_BYTES of available host memory (the DeepSeek-V3.2 rank at 131,072 tokens, a

@@ -93,6 +93,13 @@ def _greedy_decode_step(step, treedef, params, cache, tokens, positions, topk=No
     return cache, logits, telemetry, step_result(logits, telemetry, cache.kv.num_requests)
 
 
+def _cache_types(cache: DecodeCache) -> tuple:
+    """What a jit keys a cache argument on: its tree and each leaf's shape, dtype and placement
+    (a sharding carries the memory kind)."""
+    leaves, treedef = jax.tree.flatten(cache)
+    return treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
+
+
 def _prefill_draft_layer(graphdef, params, h_last, tokens, first_token, prompt_len, *, chunk, key_dtype):
     return prefill_draft(nnx.merge(graphdef, params), h_last, tokens, first_token, prompt_len, chunk=chunk, key_dtype=key_dtype)
 
@@ -252,7 +259,7 @@ class ModelRunner:
         self._embed = jax.jit(lambda params, tokens: nnx.merge(self.graphdef, params).embed_tokens(tokens))
         self._logits = jax.jit(lambda params, h: nnx.merge(self.graphdef, params).logits(h))
         self._cache_fns = {}  # per KV state tree: jits whose outputs keep the host pool pinned
-        self._handed_on = {}  # per KV state tree: the cache's types as a decode step returns it (decode_programs)
+        self._handed_on = {}  # per cache's types (_cache_types): the types a decode step returns it in (decode_programs)
 
     def device_footprint(self, hisparse: HiSparseConfig | None) -> DeviceFootprint:
         """The device bytes one request holds under `hisparse` (None: no offload), in this runner's
@@ -530,14 +537,14 @@ class ModelRunner:
         tokens, positions = np.zeros(b, np.int32), np.full(b, -1, np.int32)  # i32[b]: all inactive
         inputs = self._inputs(cache, tokens, positions, topk, None)
         programs = [self._program(cache, b, turn)[0] for turn in range(self.decode_program_copies_for(cache, b))]
-        kind = jax.tree.structure(cache.kv)
-        if kind not in self._handed_on:
+        key = _cache_types(cache)  # engines of other slot counts share this runner: shapes in the key
+        if key not in self._handed_on:
             # The cache's types as a step hands it on, which every step after the first takes: a
             # fresh host pool is typed in host memory, and one a GPU kernel wrote (the synthetic
             # fill's, a step's) in device memory though it stays pinned_host; the compile is keyed
-            # on the type. One more trace of the step, once per cache kind.
-            self._handed_on[kind] = jax.eval_shape(programs[0], self._param_leaves, cache, *inputs)[0]
-        return [program.lower(self._param_leaves, self._handed_on[kind], *inputs) for program in programs]
+            # on the type. One more trace of the step, once per cache shape and kind.
+            self._handed_on[key] = jax.eval_shape(programs[0], self._param_leaves, cache, *inputs)[0]
+        return [program.lower(self._param_leaves, self._handed_on[key], *inputs) for program in programs]
 
     def _step(self, cache: DecodeCache, tokens, positions, topk, feed: TokenFeed | None):
         step, turn = self._program(cache, len(tokens), None)
