@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One DeepSeek-V3.2 / GLM-5.1 EP8 rank on the H200 (issue 21). Each engine compiles its decode
-# programs side by side (COMPILE_THREADS), so both engines should fit one call (GLM-5.1 at 61,440:
-# baseline ready in 133.5 s, HiSparse in 231.3 s, measured in two calls; one call not yet run):
+# programs side by side (COMPILE_THREADS), so both engines fit one call (310-331 s for either preset
+# at 40,960-131,072 tokens, fourteenth session; DeepSeek-V3.2 at 131,072 was killed compiling four
+# programs beside its 105 GB pool, since capped by host memory and not yet re-run):
 #   OUT=/tmp/out MODE=hisparse,baseline RANK_TIMEOUT=575 bash benchmarks/rank_h200.sh
 # or one engine per call:
 #   OUT=/tmp/out MODE=baseline bash benchmarks/rank_h200.sh                     # call 1
