@@ -3,11 +3,13 @@ capacities, ratio_at_capacity and ratio_c1 against their goals, and for each rat
 its goal the measured step split at capacity of both engines, the step HiSparse would need and
 the category that holds it (the largest difference over the baseline, in ms per step).
 
-    python benchmarks/rank_summary.py --out=docs/perf/bench_serving_rank_h200_<date>.json FILE.json ...
+    python benchmarks/rank_summary.py --out=docs/perf/bench_serving_rank_h200_<date>.json \
+        [--plot=docs/perf/rank_ratios_h200_<date>.png] FILE.json ...
 
 Each FILE is one bench_serving.json holding both engines (a merged run counts as one); where two
 files give the same (preset, context), the later on the command line wins. Prints a Markdown
-table and writes {"summary": [...], "sources": {...}}: the issue's fields plus the split.
+table and writes {"summary": [...], "sources": {...}}: the issue's fields plus the split; --plot
+draws both ratios against their goals, per preset and context (serving.plots).
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv: list[str]) -> int:
     out = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--out=")), None)
+    plot = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--plot=")), None)
     paths = [a for a in argv[1:] if not a.startswith("--")]
     if not paths:
         print(__doc__, file=sys.stderr)
@@ -137,6 +140,10 @@ def main(argv: list[str]) -> int:
     if out:
         with open(out, "w") as f:
             json.dump(dict(summary=rows, sources=sources), f, indent=1)
+    if plot:
+        from serving.plots import ratios_against_goals  # matplotlib only when asked
+
+        ratios_against_goals(rows, plot, label="H200 EP8 rank, fp8 KV, SYNTHETIC 0.9")
     return 0
 
 

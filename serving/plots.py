@@ -107,3 +107,31 @@ def accepted_per_step(series: dict[str, list[float]], path, *, label: str, windo
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     _save(fig, path)
+
+
+def ratios_against_goals(rows: list[dict], path, *, label: str) -> None:
+    """Issue 21's table as bars: per preset (one colour each) and context, ratio_at_capacity
+    (left) and ratio_c1 (right), each goal a black tick over its bar. rows: rank_summary's
+    [{preset, context, ratio_at_capacity, capacity_goal, ratio_c1, c1_goal}] (None: not measured)."""
+    presets = sorted({r["preset"] for r in rows})
+    contexts = sorted({r["context"] for r in rows})
+    width = 0.8 / max(1, len(presets))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, field, goal_field, title in ((axes[0], "ratio_at_capacity", "capacity_goal", "throughput at capacity / baseline's"),
+                                         (axes[1], "ratio_c1", "c1_goal", "throughput at c = 1 / baseline's")):  # fmt: skip
+        for i, preset in enumerate(presets):
+            by_context = {r["context"]: r for r in rows if r["preset"] == preset}
+            x = np.arange(len(contexts)) + (i - (len(presets) - 1) / 2) * width
+            values = [by_context.get(c, {}).get(field) for c in contexts]
+            ax.bar(x, [v or 0.0 for v in values], width, label=preset)
+            for xi, c, v in zip(x, contexts, values):
+                if c in by_context:
+                    goal = by_context[c][goal_field]
+                    ax.plot([xi - width / 2, xi + width / 2], [goal, goal], color="black", linewidth=2)
+                ax.annotate("not run" if v is None else f"{v:.2f}x", (xi, v or 0.0), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(np.arange(len(contexts)), [f"{c:,}" for c in contexts])
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("HiSparse / baseline")
+        _title(ax, f"{title}; black: the goal ({label})")
+        ax.legend(fontsize=7)
+    _save(fig, path)

@@ -129,7 +129,7 @@ def test_capacity_ratio_pairs_each_engines_capacity_point_whatever_cap_reached_i
     assert capacity_ratio(points, {"hisparse": 37, "baseline": 9}) is None  # the baseline never reached 9
 
 
-def test_rank_summary_names_what_holds_each_missed_goal():
+def test_rank_summary_names_what_holds_each_missed_goal(tmp_path, capsys):
     """benchmarks/rank_summary.py over two committed H200 rank runs: GLM-5.1 at 61,440 meets both
     goals; DeepSeek-V3.2 at 61,440 misses both, and the summary gives the step its capacity needs
     (37 x the baseline's 45.17 ms / (3 x 8) = 69.6 ms) and the measured split it is held by."""
@@ -147,3 +147,6 @@ def test_rank_summary_names_what_holds_each_missed_goal():
     assert set(held["over_baseline_ms"]) == {"attention", "indexer", "moe", "dense_gemm", "swap_in", "other"}
     assert deepseek["c1_held_by"]["host_ms"] > 0
     assert main(["rank_summary.py", os.path.join(perf, "no_such_run.json")]) == 2
+    plot = tmp_path / "ratios.png"
+    assert main(["rank_summary.py", f"--plot={plot}", *paths]) == 0
+    assert plot.read_bytes()[:4] == b"\x89PNG" and "| glm-5.1-fp8-dp8-rank | 61,440 |" in capsys.readouterr().out
