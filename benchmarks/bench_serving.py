@@ -437,7 +437,10 @@ def run_segment(engines: Engines, name: str, mode: str, slots: int, overlap: flo
     t = time.perf_counter()
     engine = engines.get(mode, slots, overlap)
     ready_s = time.perf_counter() - t  # the engine's build and compiles (0 when an earlier segment made it)
-    log(f"{name}: {mode} engine with {slots} slots ready in {ready_s:.1f}s")
+    compiles = engine.decode_compiles if ready_s > 0 else None  # this segment built the engine
+    plan = "" if not compiles else f" ({compiles['programs']} decode programs, {compiles['threads']} at once" + (
+        "" if compiles["host_available_gb"] is None else f", {compiles['host_available_gb']:.1f} GB of host memory available") + ")"
+    log(f"{name}: {mode} engine with {slots} slots ready in {ready_s:.1f}s{plan}")
     selection = "model" if overlap is None else f"SYNTHETIC(overlap={overlap:g})"
     measured, run_s = {}, {}
     for c in concurrencies:
@@ -462,7 +465,8 @@ def run_segment(engines: Engines, name: str, mode: str, slots: int, overlap: flo
             a2a_ms = running * RESULTS["preset"]["all_to_all_bytes_per_token"] / NVLINK_BYTES_PER_S * 1e3
             metrics = dict(metrics, nvlink_a2a_model_ms=a2a_ms,
                            decode_throughput_with_a2a_model=running / ((metrics["itl_ms"]["mean"] + a2a_ms) / 1e3))  # fmt: skip
-        RESULTS["points"].append(dict(phase=name, selection=selection, mode=mode, slots=slots, max_concurrency=c, engine_ready_s=ready_s, **metrics))
+        RESULTS["points"].append(dict(phase=name, selection=selection, mode=mode, slots=slots, max_concurrency=c, engine_ready_s=ready_s,
+                                      decode_compiles=compiles, **metrics))  # fmt: skip
         log(f"  {name:11s} {mode:8s} c={c:4d} running={metrics['running']:4d}: {metrics['decode_throughput']:10.1f} tok/s,"
             f" ITL {metrics['itl_ms']['mean']:.2f} ms (p99 {metrics['itl_ms']['p99']:.2f}),"
             f" miss rate {metrics['miss_rate']:.3f}, {metrics['h2d_gb_per_s']:.1f} GB/s host->device")  # fmt: skip

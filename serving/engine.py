@@ -284,6 +284,8 @@ class Engine:
             self.buckets = tuple(sorted({b for b in config.batch_buckets if b < R} | {R}))
         self._fill = SyntheticFill(self.cache, implementation=runner.implementation, mesh=runner.mesh) if config.synthetic_context else None
         self._fill_key = jax.random.key(config.seed)
+        # What compile_decode_programs last did: {programs, threads, host_available_gb} (None: not run)
+        self.decode_compiles: dict | None = None
         if self.speculative is not None:  # every slot's DraftState, on the device
             self._carry = runner.empty_draft_state(R)
             self._set_carry = jax.jit(lambda carry, slot, draft: jax.tree.map(lambda x, v: x.at[slot].set(v), carry, draft), donate_argnums=0)
@@ -765,7 +767,9 @@ class Engine:
             pages = None if self.config.hisparse is None else np.zeros(self._pages_per_request, np.int32)  # i32[P]
             lowered.append(self._fill.lower(self.cache, pages, jax.random.fold_in(self._fill_key, 0)))
         bar = progress_bar(progress, total=len(lowered), desc="compile decode programs", unit="program")
-        threads = self.config.compile_threads or auto_compile_threads(len(lowered), os.cpu_count(), available_host_bytes())
+        available = available_host_bytes()
+        threads = self.config.compile_threads or auto_compile_threads(len(lowered), os.cpu_count(), available)
+        self.decode_compiles = dict(programs=len(lowered), threads=threads, host_available_gb=None if available is None else available / 1e9)
         pool = concurrent.futures.ThreadPoolExecutor(threads)
         try:
             for done in concurrent.futures.as_completed([pool.submit(program.compile) for program in lowered]):

@@ -824,6 +824,7 @@ def test_decode_programs_compile_side_by_side_and_the_steps_compile_none():
     with backend_compiles("greedy_decode_step") as compiled:
         engine.compile_decode_programs()
         assert len(compiled) == 2 + 1 + 1, compiled  # b = 1: two copies; b = 2, 3: one each, no graphs
+        assert (engine.decode_compiles["programs"], engine.decode_compiles["threads"]) == (4, 4)
         requests = random_requests(num_prompts=4, input_len=20, output_len=4, range_ratio=0.2, vocab_size=TINY.vocab_size, seed=5)
         engine.warmup(requests)
         result = engine.run(requests, max_concurrency=3)
