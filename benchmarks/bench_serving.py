@@ -205,7 +205,6 @@ KV_BUDGET_GB_PER_LAYER = 0.62
 SMOKE_KV_BUDGET_GB_PER_LAYER = 0.00025
 
 RESULTS: dict = {"device": None, "setup": {}, "points": [], "phases": [], "errors": [], "step_split": []}
-REPORTED_COMPILES: list = []  # Engine.decode_compiles records already logged (each segment logs its own)
 HLO_DUMP_DIR: str | None = None  # with --profile_steps: where XLA dumps the decode programs' HLO
 T0 = time.perf_counter()
 
@@ -436,12 +435,10 @@ class Engines:
 def run_segment(engines: Engines, name: str, mode: str, slots: int, overlap: float | None, concurrencies: list[int]) -> None:
     """Points of one (engine, selection): requests = min(c, slots) decode together."""
     t = time.perf_counter()
+    warms = engines.needs_compile(mode, slots, overlap)  # get() warms this engine up for this selection
     engine = engines.get(mode, slots, overlap)
     ready_s = time.perf_counter() - t  # the engine's build and compiles (0 when an earlier segment made it)
-    compiles = engine.decode_compiles
-    if any(compiles is seen for seen in REPORTED_COMPILES):  # an earlier segment's compiles: not this one's
-        compiles = None
-    REPORTED_COMPILES.append(compiles)
+    compiles = engine.decode_compiles if warms else None  # only the segment whose warm-up compiled reports it
     plan = "" if not compiles else f" ({compiles['programs']} decode programs, {compiles['threads']} at once" + (
         "" if compiles["host_available_gb"] is None else f", {compiles['host_available_gb']:.1f} GB of host memory available") + ")"
     log(f"{name}: {mode} engine with {slots} slots ready in {ready_s:.1f}s{plan}")

@@ -70,7 +70,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks import device_timing  # noqa: E402
-from benchmarks.helpers import T0, attempt, bench_model_config, ep8_rank_config, log, stats, write_json  # noqa: E402
+from benchmarks.helpers import HBM_BYTES_PER_S, T0, attempt, bench_model_config, ep8_rank_config, log, stats, valid_tile, write_json  # noqa: E402
 from configs.model import DSAModelConfig  # noqa: E402
 from hisparse_jax.config import HiSparseConfig  # noqa: E402
 from models.common.layers import matmul_implementation  # noqa: E402
@@ -81,7 +81,6 @@ from pallas_kernels.grouped_matmul import pallas_triton, tokamax_mosaic  # noqa:
 from serving.engine import Engine, EngineConfig  # noqa: E402
 from serving.workload import Request  # noqa: E402
 
-HBM_BYTES_PER_S = 4.8e12  # the H200's datasheet HBM bandwidth: the floor the issue states
 RESULTS: dict = {"args": vars(ARGS), "device": None, "moe": [], "step": [], "host_idle_fraction": None, "errors": []}
 
 
@@ -113,12 +112,7 @@ def moe_floor_us(config: DSAModelConfig, touched: int, fp8: bool) -> float:
 def tuned_config(default_config, fields: dict, M: int, G: int, K: int, N: int, fp8: bool, **kwargs):
     """default_config with a tuning's fields; split_k back to 1 where the new block_k does not
     divide K into split_k slices, block_n halved to a divisor of N."""
-    cfg = default_config(M, G, K, N, fp8, **kwargs).replace(**fields)
-    if K % (cfg.block_k * cfg.split_k):
-        cfg = cfg.replace(split_k=1)
-    while N % cfg.block_n:
-        cfg = cfg.replace(block_n=cfg.block_n // 2)
-    return cfg
+    return valid_tile(default_config(M, G, K, N, fp8, **kwargs).replace(**fields), K, N)
 
 
 def moe_case(model_name: str, weights_dtype: str, tokens: list[int]):

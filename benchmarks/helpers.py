@@ -1,6 +1,7 @@
 """What the benchmark scripts share: a timestamped log, summary statistics, results JSON written
 after every point (so a run cut short keeps what it measured), an error-recording attempt, and
-the serving benchmarks' model (DeepSeek-V3.2's attention and MoE shapes at a few layers).
+the serving benchmarks' model (DeepSeek-V3.2's attention and MoE shapes at a few layers), the
+HBM floor's bandwidth and a grouped-matmul tile kept valid for a matmul's shape.
 
     from benchmarks.helpers import log, stats, write_json, attempt, bench_model_config
 
@@ -17,6 +18,7 @@ import traceback
 import numpy as np
 
 T0 = time.perf_counter()  # the script's start (its first import of this module)
+HBM_BYTES_PER_S = 4.8e12  # the H200's datasheet HBM bandwidth: the weight-streaming floor the issues state
 
 
 def log(*args) -> None:
@@ -90,3 +92,13 @@ def ep8_rank_config(released: str, *, weight_block_size=(128, 128), num_layers: 
     return config.replace(
         num_layers=num_layers, mlp_layer_types=config.mlp_layer_types[:num_layers], indexer_types=config.indexer_types[:num_layers]
     )
+
+
+def valid_tile(cfg, K: int, N: int):
+    """A grouped-matmul TritonConfig changed by a tuning, made valid for K and N: split_k back to 1
+    where block_k x split_k no longer divides K, block_n halved to a divisor of N."""
+    if K % (cfg.block_k * cfg.split_k):
+        cfg = cfg.replace(split_k=1)
+    while N % cfg.block_n:
+        cfg = cfg.replace(block_n=cfg.block_n // 2)
+    return cfg

@@ -37,7 +37,7 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks import device_timing  # noqa: E402
-from benchmarks.helpers import ep8_rank_config  # noqa: E402
+from benchmarks.helpers import HBM_BYTES_PER_S, ep8_rank_config, valid_tile  # noqa: E402
 from configs.model import DSAModelConfig  # noqa: E402
 from models.common import fp8  # noqa: E402
 from models.common.layers import Linear  # noqa: E402
@@ -59,7 +59,6 @@ flags.DEFINE_float("time_budget_s", 240, "Start no new projection after this man
 flags.DEFINE_bool("smoke", False, "The tiny config on the CPU (interpret mode): the script's own test.")
 FLAGS = flags.FLAGS
 
-HBM_BYTES_PER_S = 4.8e12  # the H200's datasheet HBM bandwidth (benchmarks/bench_step.py's floor)
 
 
 def fp8_projections(config: DSAModelConfig, dense_mlp: bool) -> list[tuple[str, int, int]]:
@@ -90,11 +89,7 @@ def tile(M: int, K: int, N: int, fields: dict, block: tuple[int, int]):
         cfg = cfg.replace(block_k=max(16, block[0]), split_k=1)
     if cfg.block_n > block[1]:
         cfg = cfg.replace(block_n=max(16, block[1]))
-    if K % (cfg.block_k * cfg.split_k):
-        cfg = cfg.replace(split_k=1)
-    while N % cfg.block_n:
-        cfg = cfg.replace(block_n=cfg.block_n // 2)
-    return cfg
+    return valid_tile(cfg, K, N)
 
 
 def busy_us(fn, args, calls: int) -> dict:
