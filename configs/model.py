@@ -119,7 +119,9 @@ class DSAModelConfig:
     # each fp8-weight matmul and multiply on fp8 tensor cores (w8a8: the checkpoints'
     # "activation_scheme": "dynamic", as DeepSeek's inference code and SGLang run them; ~3% per
     # activation). False: the numbers of the weights dequantised at load, the reference
-    # implementation's (pallas_kernels.grouped_matmul, "fp8_activations").
+    # implementation's (pallas_kernels.grouped_matmul, "fp8_activations"). Over fp8 indexer keys
+    # (--kv_cache_dtype=fp8_e4m3) the indexer's queries are quantised too, one scale per (token,
+    # head), and q . k runs fp8 x fp8, as DeepSeek's inference code scores (act_quant, fp8_index).
     fp8_activations: bool = False
 
     def __post_init__(self):

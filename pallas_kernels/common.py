@@ -187,7 +187,7 @@ def gather_rows(ref, leading: tuple, rows: jax.Array, ok: jax.Array, offset: int
     """ref[*leading, rows, offset:offset + size] -> [len(rows), size]; rows not ok read 0.
     rows, ok: from head_block."""
     mask = jnp.broadcast_to(ok[:, None], (rows.shape[0], size))
-    return gather(ref, row_block(leading, rows, offset, size, interpret), mask, 0)
+    return gather(ref, row_block(leading, rows, offset, size, interpret), mask, jnp.zeros((), ref.dtype))  # typed: Triton casts no int to fp8
 
 
 # --------------------------------------------------------------------------------------------

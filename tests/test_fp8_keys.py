@@ -276,3 +276,44 @@ def test_run_decode_decodes_a_checkpoint_with_fp8_keys(tmp_path, glm, golden):
     assert not np.array_equal(expected, golden["greedy_tokens"][:, :4])  # f32 keys choose otherwise: the flag took
     with np.load(output) as data:
         np.testing.assert_array_equal(data["tokens"], expected)
+
+
+# ---- w8a8: fp8 queries over fp8 keys --------------------------------------------------------------
+
+
+def test_w8a8_scores_fp8_queries_over_fp8_keys_and_decodes_identically_with_hisparse_on_and_off():
+    """With fp8_activations the indexer quantises its queries over fp8 keys only (DeepSeek's
+    act_quant + fp8_index); the scores move by q's rounding, and HiSparse still decodes exactly
+    what the full-KV cache decodes."""
+    from models.dsa.indexer import quantize_queries
+    from pallas_kernels.indexer_scores.base import operand_dtype
+
+    f8, bf16 = jnp.float8_e4m3fn, jnp.bfloat16
+    assert (operand_dtype(f8, f8), operand_dtype(bf16, f8), operand_dtype(f8, bf16)) == (f8, bf16, bf16)
+    config = DSAModelConfig.tiny().replace(weight_block_size=(16, 16), fp8_activations=True)
+    model = DSAForCausalLM(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    indexer = model.layers[0].self_attn.indexer
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((3, config.hidden_size)), jnp.float32)
+    q_resid = jnp.asarray(rng.standard_normal((3, config.q_lora_rank)), jnp.float32)
+    cos = sin = jnp.zeros((3, config.qk_rope_head_dim // 2), jnp.float32)
+    q, w = indexer.queries(x, q_resid, cos, sin)
+    q8, w8 = indexer.queries(x, q_resid, cos, sin, jnp.dtype(f8))
+    assert q.dtype == jnp.float32 and q8.dtype == f8
+    assert indexer.queries(x, q_resid, cos, sin, jnp.dtype(bf16))[0].dtype == jnp.float32  # bf16 keys: q as it is
+    np.testing.assert_array_equal(np.asarray(q8, np.float32), np.asarray(quantize_queries(q, w)[0], np.float32))
+    keys, scales = quantize_keys(jnp.asarray(rng.standard_normal((40, config.index_head_dim)), jnp.float32))
+    exact, rounded = np.asarray(index_scores(q, w, keys, scales)), np.asarray(index_scores(q8, w8, keys, scales))
+    error = np.abs(rounded - exact).max() / np.abs(exact).max()
+    assert 1e-4 < error < 0.1  # q's fp8 rounding: not zero, a few percent at most
+
+    runner = ModelRunner(model, kv_cache_dtype=FP8)
+    prompts = rng.integers(0, config.vocab_size, (2, 40)).astype(np.int32)
+    off = generate(runner, prompts, 6, fill_value=np.nan)
+    on = generate(runner, prompts, 6, hisparse=HiSparseConfig(top_k=16, device_buffer_size=17), page_size=8, fill_value=np.nan)
+    assert on.num_misses.sum() > 0 and np.isfinite(on.logits).all()
+    np.testing.assert_array_equal(on.tokens, off.tokens)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(on.logits, off.logits)
+    else:
+        np.testing.assert_allclose(on.logits, off.logits, rtol=0, atol=1e-5 * np.abs(off.logits).max())

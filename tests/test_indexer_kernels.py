@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.dsa.indexer import decode_topk, index_scores, quantize_keys, select_topk
+from models.dsa.indexer import decode_topk, index_scores, quantize_keys, quantize_queries, select_topk
 from pallas_kernels import common, indexer_scores, topk
 
 J, R, C, G, I = 2, 5, 300, 6, 32
 POSITIONS = [250, -1, 9, C - 1]  # b = 4 < R: a long context, an inactive slot, one shorter than K, a full one
-KEY_DTYPES = ["bfloat16", "float32", "fp8_e4m3"]
+KEY_DTYPES = ["bfloat16", "float32", "fp8_e4m3", "fp8_e4m3+q8"]  # +q8: fp8 queries too (w8a8)
 
 
 def make_inputs(key_dtype: str, seed: int = 0, positions=POSITIONS):
@@ -39,8 +39,10 @@ def make_inputs(key_dtype: str, seed: int = 0, positions=POSITIONS):
     q_dtype = jnp.float32 if key_dtype == "float32" else jnp.bfloat16
     q = jnp.asarray(rng.standard_normal((b, G, I)), q_dtype)
     w = jnp.asarray(rng.standard_normal((b, G)), jnp.float32)  # negative weights too: -0.0 and 0 ties
-    if key_dtype == "fp8_e4m3":
+    if key_dtype.startswith("fp8_e4m3"):
         keys, scales = quantize_keys(keys)  # NaN rows get NaN scales, also never read
+        if key_dtype.endswith("+q8"):
+            q, w = quantize_queries(q, w)  # f8e4m3[b, G, I], the scales in w
     else:
         keys, scales = keys.astype(key_dtype), jnp.zeros((J, R, 0), jnp.float32)
     return q, w, keys, scales, jnp.asarray(positions, jnp.int32)
@@ -55,7 +57,7 @@ def scores_of(q, w, keys, scales, layer, positions, implementation, block_c=64, 
 @pytest.mark.parametrize(
     "key_dtype, blocks_per_program, keys_major",
     [("bfloat16", None, None), ("float32", None, None), ("fp8_e4m3", None, None), ("bfloat16", 1, None), ("fp8_e4m3", 2, False),
-     ("fp8_e4m3", 2, True), ("float32", None, True)],
+     ("fp8_e4m3", 2, True), ("float32", None, True), ("fp8_e4m3+q8", None, None), ("fp8_e4m3+q8", 2, False)],
 )
 def test_scores_kernel_matches_reference(key_dtype, blocks_per_program, keys_major):
     inputs = make_inputs(key_dtype)
@@ -176,7 +178,7 @@ def test_decode_topk_kernels_and_reference(key_dtype):
     assert np.all(got[1] == -1) and np.all(got[2, 10:] == -1) and np.all(got[2, :10] >= 0)
     # ... and the reference is the model's own decode path, bit for bit.
     b = q.shape[0]
-    fp8 = key_dtype == "fp8_e4m3"
+    fp8 = key_dtype.startswith("fp8_e4m3")
     model_scores = jax.vmap(index_scores)(q[:, None], w[:, None], keys[1, :b], scales[1, :b] if fp8 else None)[:, 0]
     allowed = jnp.arange(C)[None, :] <= positions[:, None]
     np.testing.assert_array_equal(
@@ -249,10 +251,10 @@ def test_kernels_lower_to_triton_for_the_h200(monkeypatch):
     spec = jax.ShapeDtypeStruct
     b, context = 47, 32768
     with jax.sharding.use_abstract_mesh(mesh):
-        for key_dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+        for q_dtype, key_dtype in ((jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float8_e4m3fn), (jnp.float8_e4m3fn, jnp.float8_e4m3fn)):
             scale_shape = (1, b, context) if key_dtype == jnp.float8_e4m3fn else (1, b, 0)
             args = (
-                spec((b, 64, 128), jnp.bfloat16), spec((b, 64), jnp.float32), spec((1, b, context, 128), key_dtype),
+                spec((b, 64, 128), q_dtype), spec((b, 64), jnp.float32), spec((1, b, context, 128), key_dtype),
                 spec(scale_shape, jnp.float32), spec((), jnp.int32), spec((b,), jnp.int32),
             )  # fmt: skip
             text = jax.jit(indexer_scores.index_scores_masked_pallas).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -1,7 +1,7 @@
 """The indexer's scoring kernel over fp8 keys (the rank's key format), launch shapes side by side.
 
     python benchmarks/probes/indexer_fp8_tiling.py --out=$OUT/indexer_fp8.json
-        [--sizes=37x61440x64,23x40960x32,47x32768x64,1x61440x64] [--calls=20]
+        [--sizes=37x61440x64,23x40960x32,47x32768x64,1x61440x64] [--calls=20] [--queries=bfloat16,fp8] [--variants=default]
 
 Why: at DeepSeek-V3.2's rank (37 running, 61,440 tokens) `hisparse_indexer_scores` took 218 us a
 layer, 13.3 ms of a 96.8 ms step (docs/PERFORMANCE.md, 2026-12-04), ~3.5x the bytes' floor. fp8
@@ -15,6 +15,8 @@ Per size (batch x context x heads; head dim 128, top_k 2048, every request at th
   max |error| <= 1e-4 x max |score| (indexer_device_bench.check_scores);
 - device time per call (the profiler's span, median of `calls`, p10 / p90), the XLA reference's,
   and the floor: fp8 keys + scales read once, one f32 score written, at 4.2 TB/s;
+- with --queries=bfloat16,fp8, each variant with fp8 queries too (w8a8: quantize_queries, an
+  fp8 x fp8 dot), checked against the reference on the same fp8 queries;
 - the top-k kernels (default, radix, bisect) on the default kernel's scores, each checked
   exactly against lax.top_k, and lax.top_k's own time.
 Writes JSON after every size.
@@ -35,11 +37,14 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from benchmarks import indexer_device_bench as bench  # noqa: E402
-from models.dsa.indexer import quantize_keys  # noqa: E402
+from models.dsa.indexer import quantize_keys, quantize_queries  # noqa: E402
 
 flags.DEFINE_string("out", "indexer_fp8_tiling.json", "Where the JSON goes.")
 flags.DEFINE_list("sizes", ["37x61440x64", "23x40960x32", "47x32768x64", "1x61440x64"], "batch x context x heads.")
 flags.DEFINE_integer("calls", 20, "Timed calls per variant.")
+flags.DEFINE_list("queries", ["bfloat16"], "Query formats, each variant timed with each: bfloat16, and fp8 (w8a8: "
+                  "models.dsa.indexer.quantize_queries, the dot fp8 x fp8).")
+flags.DEFINE_enum("variants", "all", ["all", "default"], "all: every launch shape in VARIANTS; default: the default shape only.")
 flags.DEFINE_bool("smoke", False, "Tiny sizes and variants (CPU, interpret mode): the script's own test.")
 FLAGS = flags.FLAGS
 
@@ -96,7 +101,16 @@ def timing(fn, sets, calls: int) -> dict:
     return {k: (round(v, 2) if isinstance(v, float) else v) for k, v in t.items() if k != "kernels"} | {"kernels": t.get("kernels")}
 
 
-def run_size(b: int, context: int, heads: int, variants, calls: int, seed: int) -> dict:
+QUERY_FORMATS = ("bfloat16", "fp8")
+
+
+def in_format(queries, fmt: str):
+    """(q bf16[b, G, I], w f32[b, G]) pairs as `fmt` queries: fp8 ones quantised per head, the
+    scale in w (what a w8a8 model's indexer scores with)."""
+    return queries if fmt == "bfloat16" else [quantize_queries(q, w) for q, w in queries]
+
+
+def run_size(b: int, context: int, heads: int, variants, calls: int, seed: int, formats=("bfloat16",)) -> dict:
     entry = {"batch": b, "context": context, "heads": heads, "head_dim": HEAD_DIM, "keys": "float8_e4m3fn + f32 scale"}
     floor_bytes = b * context * (HEAD_DIM + 4 + 4)  # fp8 key + its scale read, one f32 score written
     entry["floor_us"] = round(floor_bytes / 4.2e12 * 1e6, 2)
@@ -106,29 +120,33 @@ def run_size(b: int, context: int, heads: int, variants, calls: int, seed: int) 
     if b > 1:
         positions[1] = -1
     keys, scales, queries = make_inputs(seed, b, context, heads, positions)
-    q, w = queries[0]
-    args = (q, w, keys, scales, jnp.asarray(positions))
-    reference = scorer(None)(*args)
-    checks = {}
-    for tuning in variants:
-        got = bench._guard(lambda: scorer(tuning)(*args))
-        checks[json.dumps(tuning, sort_keys=True)] = got if isinstance(got, str) else bench.check_scores(got, reference, positions)
-    entry["checks"] = checks
-    del keys, scales, reference
+    checks = {}  # (query format, tuning JSON) -> check, each format against the reference on its own queries
+    for fmt in formats:
+        q, w = in_format(queries[:1], fmt)[0]
+        args = (q, w, keys, scales, jnp.asarray(positions))
+        reference = scorer(None)(*args)
+        for tuning in variants:
+            got = bench._guard(lambda: scorer(tuning)(*args))
+            checks[fmt, json.dumps(tuning, sort_keys=True)] = got if isinstance(got, str) else bench.check_scores(got, reference, positions)
+        del reference
+    entry["checks"] = {f"{fmt} {tuning}": check for (fmt, tuning), check in checks.items()}
+    del keys, scales
     # Timing: every request at the full context.
     full = jnp.full((b,), context - 1, jnp.int32)
     keys, scales, queries = make_inputs(seed + 1, b, context, heads, np.full(b, context - 1))
-    sets = [(q, w, keys, scales, full) for q, w in queries]
-    entry["reference_score"] = bench._guard(lambda: timing(scorer(None), sets, calls))
-    entry["variants"] = []
-    for tuning in variants:
-        ok = checks[json.dumps(tuning, sort_keys=True)]
-        row = {"tuning": tuning, "checked": ok if isinstance(ok, str) else ok["ok"]}
-        t = bench._guard(lambda: timing(scorer(tuning), sets, calls))
-        row.update({"error": t} if isinstance(t, str) else t)
-        if isinstance(t, dict) and t.get("span_us"):
-            row["over_floor"] = round(t["span_us"] / entry["floor_us"], 2)
-        entry["variants"].append(row)
+    entry["reference_score"], entry["variants"] = {}, []
+    for fmt in formats:
+        sets = [(q, w, keys, scales, full) for q, w in in_format(queries, fmt)]
+        entry["reference_score"][fmt] = bench._guard(lambda: timing(scorer(None), sets, calls))
+        for tuning in variants:
+            ok = checks[fmt, json.dumps(tuning, sort_keys=True)]
+            row = {"queries": fmt, "tuning": tuning, "checked": ok if isinstance(ok, str) else ok["ok"]}
+            t = bench._guard(lambda: timing(scorer(tuning), sets, calls))
+            row.update({"error": t} if isinstance(t, str) else t)
+            if isinstance(t, dict) and t.get("span_us"):
+                row["over_floor"] = round(t["span_us"] / entry["floor_us"], 2)
+            entry["variants"].append(row)
+    sets = [(q, w, keys, scales, full) for q, w in in_format(queries, formats[0])]
     score_sets = [(scorer({})(*args),) for args in sets]
     expected = np.asarray(topker(None)(score_sets[0][0]))
     entry["reference_topk"] = bench._guard(lambda: timing(topker(None), score_sets, calls))
@@ -145,20 +163,23 @@ def run_size(b: int, context: int, heads: int, variants, calls: int, seed: int) 
 def main(argv):
     del argv
     global HEAD_DIM, TOP_K
-    sizes, variants = [tuple(map(int, s.split("x"))) for s in FLAGS.sizes], VARIANTS
+    sizes, variants = [tuple(map(int, s.split("x"))) for s in FLAGS.sizes], VARIANTS if FLAGS.variants == "all" else VARIANTS[:1]
+    formats = tuple(FLAGS.queries)
+    if not formats or any(fmt not in QUERY_FORMATS for fmt in formats):
+        raise app.UsageError(f"--queries must name one or more of {QUERY_FORMATS}, got {FLAGS.queries}")
     if FLAGS.smoke:
-        HEAD_DIM, TOP_K, sizes, variants = 32, 16, [(3, 256, 16)], SMOKE_VARIANTS
+        HEAD_DIM, TOP_K, sizes, variants = 32, 16, [(3, 256, 16)], (SMOKE_VARIANTS if FLAGS.variants == "all" else SMOKE_VARIANTS[:1])
     bench.TOP_K = TOP_K  # the k of bench.op's top-k ops
     results = {"device": str(jax.devices()[0]), "jax": jax.__version__, "sizes": []}
     start = time.perf_counter()
     for n, (b, context, heads) in enumerate(sizes):
         try:
-            entry = run_size(b, context, heads, variants, 3 if FLAGS.smoke else FLAGS.calls, seed=n)
+            entry = run_size(b, context, heads, variants, 3 if FLAGS.smoke else FLAGS.calls, seed=n, formats=formats)
         except Exception as e:  # keep the other sizes
             entry = {"batch": b, "context": context, "heads": heads, "error": f"{type(e).__name__}: {str(e)[:500]}"}
         entry["elapsed_s"] = round(time.perf_counter() - start, 1)
         results["sizes"].append(entry)
-        brief = [(json.dumps(v["tuning"]), v.get("span_us"), v.get("checked")) for v in entry.get("variants", [])]
+        brief = [(v["queries"], json.dumps(v["tuning"]), v.get("span_us"), v.get("checked")) for v in entry.get("variants", [])]
         print(f"[{entry['elapsed_s']} s] {b}x{context}x{heads}: floor {entry.get('floor_us')} us; ref {entry.get('reference_score', {})}", flush=True)
         for line in brief:
             print("   ", *line, flush=True)

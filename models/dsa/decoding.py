@@ -163,7 +163,7 @@ def _decode_indexer(layer: DecoderLayer, x, q_resid, cos, sin, index_keys, key_s
     keys = indexer.keys(x, cos, sin)  # [b, I]
     target = jnp.where(positions >= 0, positions, C)  # an inactive slot writes nothing
     index_keys, key_scales = write_index_keys(index_keys, key_scales, j, jnp.arange(b), target, keys)
-    q, w = indexer.queries(x, q_resid, cos, sin)  # [b, G, I], f32[b, G]
+    q, w = indexer.queries(x, q_resid, cos, sin, index_keys.dtype)  # [b, G, I] (f8 with w8a8 over fp8 keys), f32[b, G]
     # Scored over the key cache in place (slots 0 .. b - 1 of layer j), each slot up to its own
     # position; on GPU a fused scoring kernel and a top-k kernel (models.dsa.indexer.decode_topk).
     selected = decode_topk(q, w, index_keys, key_scales, j, positions, config.index_topk, implementation=implementation)

@@ -42,6 +42,7 @@ class Indexer(nnx.Module):
         self.k_norm = LayerNorm(self.head_dim, eps=1e-6, dtype=dtype)  # eps fixed in the reference
         # transformers keeps weights_proj in float32 whatever the model dtype.
         self.weights_proj = Linear(config.hidden_size, self.num_heads, dtype=jnp.float32, rngs=rngs)  # [G, D]
+        self.fp8_queries = config.fp8_activations  # w8a8: fp8 queries over fp8 keys (queries())
 
     def _rotate(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         # x: [..., I]; the first P dims are rotated, the rest pass through
@@ -52,11 +53,18 @@ class Indexer(nnx.Module):
         """x [T, D] (normed hidden), cos/sin f32[T, P/2] -> keys [T, I] (what the key cache holds)."""
         return self._rotate(self.k_norm(self.wk(x)), cos, sin)
 
-    def queries(self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x [T, D], q_resid [T, Q] (MLA's normed query LoRA) -> (q [T, G, I], head weights f32[T, G])."""
+    def queries(
+        self, x: jax.Array, q_resid: jax.Array, cos: jax.Array, sin: jax.Array, key_dtype=None
+    ) -> tuple[jax.Array, jax.Array]:
+        """x [T, D], q_resid [T, Q] (MLA's normed query LoRA) -> (q [T, G, I], head weights f32[T, G]).
+
+        key_dtype: the key cache's element type. With w8a8 (config.fp8_activations) and fp8 keys
+        the queries come back quantised (quantize_queries), for an fp8 x fp8 q . k."""
         q = self.wq_b(q_resid).reshape(*q_resid.shape[:-1], self.num_heads, self.head_dim)  # [T, G, I]
         q = self._rotate(q, cos[..., None, :], sin[..., None, :])
         weights = self.weights_proj(x).astype(jnp.float32) * self.num_heads**-0.5  # f32[T, G]
+        if self.fp8_queries and key_dtype is not None and is_fp8(key_dtype):
+            return quantize_queries(q, weights)
         return q, weights
 
 
@@ -102,6 +110,15 @@ def quantize_keys(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
 def dequantize_keys(keys: jax.Array, scales: jax.Array) -> jax.Array:
     """quantize_keys' inverse up to its rounding: f8e4m3[..., I], f32[...] -> f32[..., I]."""
     return keys.astype(jnp.float32) * scales[..., None]
+
+
+def quantize_queries(q: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """q [T, G, I], weights f32[T, G] -> (f8e4m3[T, G, I], f32[T, G]): each head's query
+    quantised as quantize_keys quantises a key (DeepSeek's act_quant over one 128-wide block),
+    its scale folded into the head's weight. The score is unchanged up to q's rounding: a
+    positive scale commutes with the relu, w x relu(s x q8 . k) = (w x s) x relu(q8 . k)."""
+    q8, scales = quantize_keys(q)  # f8e4m3[T, G, I], f32[T, G]
+    return q8, weights * scales
 
 
 # ---- scoring ------------------------------------------------------------------------------------

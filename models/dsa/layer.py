@@ -78,7 +78,7 @@ class DecoderLayer(nnx.Module):
         def one_chunk(c):
             q_resid, query = attn.queries(c["x"], c["cos"], c["sin"])
             if attn.indexer is not None:
-                iq, iw = attn.indexer.queries(c["x"], q_resid, c["cos"], c["sin"])
+                iq, iw = attn.indexer.queries(c["x"], q_resid, c["cos"], c["sin"], index_keys.dtype)
                 allowed = positions[None, :] <= c["positions"][:, None]  # bool[chunk, T]
                 topk = select_topk(index_scores(iq, iw, index_keys, key_scales), allowed, config.index_topk)
             else:

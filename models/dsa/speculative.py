@@ -85,7 +85,7 @@ def _indexer_topk(layer: DecoderLayer, x, q_resid, cos, sin, index_keys, key_sca
     keys = indexer.keys(x, cos, sin).reshape(b, q, -1)  # [b, q, I]
     requests = jnp.broadcast_to(jnp.arange(b)[:, None], (b, q))
     index_keys, key_scales = write_index_keys(index_keys, key_scales, j, requests, jnp.where(positions >= 0, positions, C), keys)
-    iq, iw = indexer.queries(x, q_resid, cos, sin)  # [b*q, G, I], f32[b*q, G]
+    iq, iw = indexer.queries(x, q_resid, cos, sin, index_keys.dtype)  # [b*q, G, I], f32[b*q, G]
     iq, iw = iq.reshape(b, q, *iq.shape[1:]), iw.reshape(b, q, -1)
     topk = jnp.stack(
         [decode_topk(iq[:, i], iw[:, i], index_keys, key_scales, j, positions[:, i], config.index_topk, implementation=implementation)

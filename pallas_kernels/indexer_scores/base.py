@@ -16,8 +16,11 @@ def is_fp8(dtype) -> bool:
 
 
 def operand_dtype(q_dtype, key_dtype):
-    """The dtype the q . k dot runs in: fp8 keys are cast to q's dtype (exact), others promote."""
-    return jnp.dtype(q_dtype) if is_fp8(key_dtype) else jnp.promote_types(q_dtype, key_dtype)
+    """The dtype the q . k dot runs in: fp8 with fp8 queries and keys (w8a8: fp8 tensor cores, the
+    products exact in f32); else the fp8 side is cast to the other's dtype (exact); others promote."""
+    if is_fp8(key_dtype):
+        return jnp.dtype(q_dtype)
+    return jnp.dtype(key_dtype) if is_fp8(q_dtype) else jnp.promote_types(q_dtype, key_dtype)
 
 
 def check_inputs(q, weights, index_keys, key_scales, layer, positions) -> None:
