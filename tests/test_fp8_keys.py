@@ -127,18 +127,24 @@ def test_kv_cache_dtype_names_agree_with_the_row_layouts():
 # ---- decoding the GLM fixture with fp8 keys --------------------------------------------------------
 
 
+def assert_hisparse_decodes_as_the_full_cache(on, off) -> None:
+    """HiSparse's decode (`on`, with misses) has the full-KV decode's tokens, and its logits bit
+    for bit on the CPU (the GPU kernels may differ in the last bit)."""
+    assert on.num_misses.sum() > 0 and np.isfinite(on.logits).all()
+    np.testing.assert_array_equal(on.tokens, off.tokens)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(on.logits, off.logits)
+    else:
+        np.testing.assert_allclose(on.logits, off.logits, rtol=0, atol=1e-5 * np.abs(off.logits).max())
+
+
 def test_fp8_keys_decode_identically_with_hisparse_on_and_off(glm):
     prompts = np.random.default_rng(1).integers(0, glm.config.vocab_size, (2, 33)).astype(np.int32)
     runner = ModelRunner(glm, kv_cache_dtype=FP8)
     assert runner.kv_cache_dtype == FP8
     off = generate(runner, prompts, 10, fill_value=np.nan)
     on = generate(runner, prompts, 10, hisparse=HiSparseConfig(top_k=8, device_buffer_size=9), page_size=8, fill_value=np.nan)
-    assert on.num_misses.sum() > 0 and np.isfinite(on.logits).all()
-    np.testing.assert_array_equal(on.tokens, off.tokens)
-    if jax.default_backend() == "cpu":
-        np.testing.assert_array_equal(on.logits, off.logits)
-    else:  # the GPU kernels may differ in the last bit
-        np.testing.assert_allclose(on.logits, off.logits, rtol=0, atol=1e-5 * np.abs(off.logits).max())
+    assert_hisparse_decodes_as_the_full_cache(on, off)
 
 
 def test_fp8_keys_select_nearly_the_same_top_k_as_f32_keys(glm, golden):
@@ -311,9 +317,4 @@ def test_w8a8_scores_fp8_queries_over_fp8_keys_and_decodes_identically_with_hisp
     prompts = rng.integers(0, config.vocab_size, (2, 40)).astype(np.int32)
     off = generate(runner, prompts, 6, fill_value=np.nan)
     on = generate(runner, prompts, 6, hisparse=HiSparseConfig(top_k=16, device_buffer_size=17), page_size=8, fill_value=np.nan)
-    assert on.num_misses.sum() > 0 and np.isfinite(on.logits).all()
-    np.testing.assert_array_equal(on.tokens, off.tokens)
-    if jax.default_backend() == "cpu":
-        np.testing.assert_array_equal(on.logits, off.logits)
-    else:
-        np.testing.assert_allclose(on.logits, off.logits, rtol=0, atol=1e-5 * np.abs(off.logits).max())
+    assert_hisparse_decodes_as_the_full_cache(on, off)
