@@ -305,7 +305,9 @@ def build() -> Setup:
                    hidden_size=config.hidden_size, kv_row_width=config.kv_row_width, index_n_heads=config.index_n_heads,
                    index_head_dim=config.index_head_dim, index_topk=config.index_topk,
                    n_routed_experts=config.n_routed_experts, vocab_size=config.vocab_size, dtype="bfloat16",
-                   kv_cache_dtype=kv_cache_dtype),
+                   kv_cache_dtype=kv_cache_dtype,
+                   # w8a8 over fp8 keys: the indexer scores fp8 queries (models.dsa.indexer.Indexer.queries; since 2026-12-04)
+                   indexer_queries="fp8" if FLAGS.fp8_activations and kv_cache_dtype == "fp8_e4m3" else "model dtype"),
         contexts=(f"SYNTHETIC: {context}-token contexts ({context - FLAGS.warm_steps - FLAGS.steps} prompt tokens of random KV"
                   " rows written straight into the host pool / the baseline's device KV, random indexer keys; no prefill)"),
         hisparse_config=json.loads(hisparse.to_json()),
@@ -637,8 +639,8 @@ def merge_from(path: str) -> None:
     with open(path) as f:
         other = json.load(f)
     other_setup = dict(other.get("setup", {}))
-    if "model" in other_setup:  # runs before --fp8_activations existed ran without it
-        other_setup["model"] = {"fp8_activations": False, **other_setup["model"]}
+    if "model" in other_setup:  # runs before --fp8_activations / fp8 indexer queries existed ran without them
+        other_setup["model"] = {"fp8_activations": False, "indexer_queries": "model dtype", **other_setup["model"]}
     ours = {p["mode"] for p in RESULTS["points"]}
     merged_modes = {p["mode"] for p in other.get("points", [])} - ours
     ours_setup = RESULTS["setup"]

@@ -50,7 +50,7 @@ def test_bench_serving_smoke_runs_every_phase(tmp_path):
 def test_bench_serving_merges_a_run_of_the_other_engine(tmp_path):
     """A rank's two engines run in two device calls (--modes, --merge_from): the second run
     takes the first's points when both measured the same setup, including a first run written
-    before --fp8_activations and miss_read existed (no such keys: it ran without them). miss_read
+    before --fp8_activations, fp8 indexer queries and miss_read existed (no such keys: it ran without them). miss_read
     does not touch the baseline, so a baseline run merges whatever its value; HiSparse points
     measured with another miss_read are refused."""
 
@@ -67,7 +67,7 @@ def test_bench_serving_merges_a_run_of_the_other_engine(tmp_path):
             return json.load(f)
 
     first = run("baseline", tmp_path / "a")
-    del first["setup"]["model"]["fp8_activations"]
+    del first["setup"]["model"]["fp8_activations"], first["setup"]["model"]["indexer_queries"]
     del first["setup"]["hisparse_config"]["miss_read"]
     with open(tmp_path / "old.json", "w") as f:
         json.dump(first, f)
