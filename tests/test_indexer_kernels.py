@@ -170,8 +170,11 @@ def test_topk_kernel_with_k_past_the_row(tuning):
 def test_decode_topk_kernels_and_reference(key_dtype):
     q, w, keys, scales, positions = make_inputs(key_dtype, seed=1)
     K = 16
-    select = jax.jit(functools.partial(decode_topk, k=K), static_argnames="implementation")
+    select = jax.jit(functools.partial(decode_topk, k=K), static_argnames=("implementation", "fused_histogram"))
     got = np.asarray(select(q, w, keys, scales, jnp.int32(1), positions, implementation="pallas"))
+    # The scoring kernel counting the top-k's histograms selects the same (fused_histogram).
+    fused = select(q, w, keys, scales, jnp.int32(1), positions, implementation="pallas", fused_histogram=True)
+    np.testing.assert_array_equal(np.asarray(fused), got)
     # The kernels' selection is lax.top_k's on the kernel's own scores ...
     own_scores = scores_of(q, w, keys, scales, 1, positions, "pallas")
     np.testing.assert_array_equal(got, np.asarray(topk.topk_reference(own_scores, K)))
@@ -185,6 +188,29 @@ def test_decode_topk_kernels_and_reference(key_dtype):
         np.asarray(select(q, w, keys, scales, 1, positions, implementation="reference")),
         np.asarray(select_topk(model_scores, allowed, K)),
     )
+
+
+@pytest.mark.parametrize("key_dtype, keys_major", [("bfloat16", False), ("fp8_e4m3+q8", True), ("float32", True)])
+def test_scoring_kernel_counts_the_topk_histograms_of_what_it_writes(key_dtype, keys_major):
+    """histogram=True: the same scores, and per program (2 blocks of 32 keys) the digit counts the
+    radix top-k's histogram kernel makes of them over slices of 64 (masked keys not counted;
+    slot 1 is inactive, slot 2 mostly masked, the rows past each position NaN)."""
+    q, w, keys, scales, positions = make_inputs(key_dtype, seed=2)
+    tuning = dict(block_c=32, blocks_per_program=2, keys_major=keys_major)
+    plain = indexer_scores.index_scores_masked_pallas(q, w, keys, scales, jnp.int32(0), positions, **tuning)
+    scores, hist = indexer_scores.index_scores_masked_pallas(q, w, keys, scales, jnp.int32(0), positions, histogram=True, **tuning)
+    np.testing.assert_array_equal(np.asarray(scores), np.asarray(plain))
+    expected = topk.pallas_triton._topk_radix(scores, 16, slice_len=64, sub=32, stop_after="histogram")
+    assert hist.shape == expected.shape == (4, 5, topk.DIGITS)
+    np.testing.assert_array_equal(np.asarray(hist), np.asarray(expected))
+    visible = np.minimum(np.asarray(positions) + 1, C)  # per slot, the keys a count may include
+    np.testing.assert_array_equal(np.asarray(hist).sum(axis=(1, 2)), visible)
+    with pytest.raises(ValueError, match="power-of-two blocks_per_program"):
+        indexer_scores.index_scores_masked_pallas(q, w, keys, scales, 0, positions, histogram=True, block_c=32, blocks_per_program=3)
+    with pytest.raises(ValueError, match=r"hist must be i32\[b, S, N\] = \(4, 3, 256\)"):
+        topk.topk_indices_pallas(scores, 16, hist=hist, slice_len=128)
+    with pytest.raises(ValueError, match="for method 'radix', not 'bisect'"):
+        topk.topk_indices_pallas(scores, 16, method="bisect", hist=hist, slice_len=64)
 
 
 def test_the_scoring_kernel_reads_the_cache_in_place():
@@ -257,12 +283,17 @@ def test_kernels_lower_to_triton_for_the_h200(monkeypatch):
                 spec((b, 64, 128), q_dtype), spec((b, 64), jnp.float32), spec((1, b, context, 128), key_dtype),
                 spec(scale_shape, jnp.float32), spec((), jnp.int32), spec((b,), jnp.int32),
             )  # fmt: skip
-            text = jax.jit(indexer_scores.index_scores_masked_pallas).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-            assert "__gpu$xla.gpu.triton" in text
+            for histogram in (False, True):
+                score = functools.partial(indexer_scores.index_scores_masked_pallas, histogram=histogram)
+                text = jax.jit(score).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+                assert "__gpu$xla.gpu.triton" in text
         for tuning in ({"method": "radix"}, {"method": "bisect", "order": "kernel"}, {"method": "bisect", "order": "xla"}):
             select = functools.partial(topk.topk_indices_pallas, k=2048, **tuning)
             text = jax.jit(select).trace(spec((b, context), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
             assert "__gpu$xla.gpu.triton" in text
+        fused = jax.jit(lambda scores, hist: topk.topk_indices_pallas(scores, 2048, hist=hist, slice_len=2048))
+        text = fused.trace(spec((b, context), jnp.float32), spec((b, context // 2048, topk.DIGITS), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text and "hisparse_indexer_topk_histogram" not in text
 
 
 @pytest.mark.slow

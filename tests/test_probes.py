@@ -129,9 +129,12 @@ def test_state_copies_finds_each_copy_of_a_parameter_through_bitcasts_and_copies
 def test_indexer_fp8_tiling_probe_checks_every_shape_against_the_reference(tmp_path):
     """The probe's smoke run (CPU, interpret mode): each scoring shape checked against the jnp
     reference, each top-k exactly against lax.top_k, exit 0 only when all pass."""
-    (size,) = smoke_run(tmp_path, "indexer_fp8_tiling.py", "--queries=bfloat16,fp8")["sizes"]
+    (size,) = smoke_run(tmp_path, "indexer_fp8_tiling.py", "--queries=bfloat16,fp8", "--fused")["sizes"]
     shapes = [{}, {"keys_major": True, "block_c": 32, "blocks_per_program": 2}]
     assert [(v["queries"], v["tuning"]) for v in size["variants"]] == [(fmt, t) for fmt in ("bfloat16", "fp8") for t in shapes]
+    assert [(v["queries"], v["fused"], v["exact"]) for v in size["selection"]] == [
+        (fmt, fused, True) for fmt in ("bfloat16", "fp8") for fused in (False, True)
+    ]
     assert all(v["checked"] is True for v in size["variants"]) and all(v["exact"] is True for v in size["topk"])
     assert all(c["max_abs_score"] > 0 for c in size["checks"].values())  # the check compared real scores
 

@@ -15,6 +15,9 @@ Per size (batch x context x heads; head dim 128, top_k 2048, every request at th
   max |error| <= 1e-4 x max |score| (indexer_device_bench.check_scores);
 - device time per call (the profiler's span, median of `calls`, p10 / p90), the XLA reference's,
   and the floor: fp8 keys + scales read once, one f32 score written, at 4.2 TB/s;
+- with --fused, the whole selection (decode_topk: scores, then the top-k) per query format,
+  with the scoring kernel counting the top-k's histograms (fused_histogram) and without, the
+  two selections equal;
 - with --queries=bfloat16,fp8, each variant with fp8 queries too (w8a8: quantize_queries, an
   fp8 x fp8 dot), checked against the reference on the same fp8 queries;
 - the top-k kernels (default, radix, bisect) on the default kernel's scores, each checked
@@ -24,6 +27,7 @@ Writes JSON after every size.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -37,7 +41,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from benchmarks import indexer_device_bench as bench  # noqa: E402
-from models.dsa.indexer import quantize_keys, quantize_queries  # noqa: E402
+from models.dsa.indexer import decode_topk, quantize_keys, quantize_queries  # noqa: E402
 
 flags.DEFINE_string("out", "indexer_fp8_tiling.json", "Where the JSON goes.")
 flags.DEFINE_list("sizes", ["37x61440x64", "23x40960x32", "47x32768x64", "1x61440x64"], "batch x context x heads.")
@@ -45,6 +49,8 @@ flags.DEFINE_integer("calls", 20, "Timed calls per variant.")
 flags.DEFINE_list("queries", ["bfloat16"], "Query formats, each variant timed with each: bfloat16, and fp8 (w8a8: "
                   "models.dsa.indexer.quantize_queries, the dot fp8 x fp8).")
 flags.DEFINE_enum("variants", "all", ["all", "default"], "all: every launch shape in VARIANTS; default: the default shape only.")
+flags.DEFINE_bool("fused", False, "Also time the whole selection (scores + top-k, models.dsa.indexer.decode_topk) with and "
+                  "without fused_histogram, per query format; the two selections must be equal.")
 flags.DEFINE_bool("smoke", False, "Tiny sizes and variants (CPU, interpret mode): the script's own test.")
 FLAGS = flags.FLAGS
 
@@ -110,7 +116,28 @@ def in_format(queries, fmt: str):
     return queries if fmt == "bfloat16" else [quantize_queries(q, w) for q, w in queries]
 
 
-def run_size(b: int, context: int, heads: int, variants, calls: int, seed: int, formats=("bfloat16",)) -> dict:
+@functools.cache
+def selection(fused: bool):
+    """The decode step's selection (scores + top-k kernels, k = TOP_K), with or without the
+    scoring kernel counting the top-k's histograms; compiled once per shape."""
+    return jax.jit(lambda q, w, keys, scales, positions: decode_topk(
+        q, w, keys, scales, 0, positions, TOP_K, implementation="pallas", fused_histogram=fused))
+
+
+def time_selection(sets, calls: int) -> list:
+    """Rows {queries, fused, exact, timing} for both forms on `sets`; exact: the fused selection
+    equals the unfused one on the first set."""
+    unfused = np.asarray(selection(False)(*sets[0]))
+    rows = []
+    for fused in (False, True):
+        got = bench._guard(lambda: np.asarray(selection(fused)(*sets[0])))
+        row = {"fused": fused, "exact": got if isinstance(got, str) else bool(np.array_equal(got, unfused))}
+        t = bench._guard(lambda: timing(selection(fused), sets, calls))
+        rows.append(row | ({"error": t} if isinstance(t, str) else t))
+    return rows
+
+
+def run_size(b: int, context: int, heads: int, variants, calls: int, seed: int, formats=("bfloat16",), fused=False) -> dict:
     entry = {"batch": b, "context": context, "heads": heads, "head_dim": HEAD_DIM, "keys": "float8_e4m3fn + f32 scale"}
     floor_bytes = b * context * (HEAD_DIM + 4 + 4)  # fp8 key + its scale read, one f32 score written
     entry["floor_us"] = round(floor_bytes / 4.2e12 * 1e6, 2)
@@ -146,6 +173,8 @@ def run_size(b: int, context: int, heads: int, variants, calls: int, seed: int, 
             if isinstance(t, dict) and t.get("span_us"):
                 row["over_floor"] = round(t["span_us"] / entry["floor_us"], 2)
             entry["variants"].append(row)
+        if fused:
+            entry.setdefault("selection", []).extend({"queries": fmt} | row for row in time_selection(sets, calls))
     sets = [(q, w, keys, scales, full) for q, w in in_format(queries, formats[0])]
     score_sets = [(scorer({})(*args),) for args in sets]
     expected = np.asarray(topker(None)(score_sets[0][0]))
@@ -174,7 +203,7 @@ def main(argv):
     start = time.perf_counter()
     for n, (b, context, heads) in enumerate(sizes):
         try:
-            entry = run_size(b, context, heads, variants, 3 if FLAGS.smoke else FLAGS.calls, seed=n, formats=formats)
+            entry = run_size(b, context, heads, variants, 3 if FLAGS.smoke else FLAGS.calls, seed=n, formats=formats, fused=FLAGS.fused)
         except Exception as e:  # keep the other sizes
             entry = {"batch": b, "context": context, "heads": heads, "error": f"{type(e).__name__}: {str(e)[:500]}"}
         entry["elapsed_s"] = round(time.perf_counter() - start, 1)
@@ -185,10 +214,12 @@ def main(argv):
             print("   ", *line, flush=True)
         for v in entry.get("topk", []):
             print("    topk", json.dumps(v["tuning"]), v.get("span_us"), "exact" if v.get("exact") is True else v.get("exact"), flush=True)
+        for v in entry.get("selection", []):
+            print("    selection", v["queries"], "fused" if v["fused"] else "unfused", v.get("span_us"), "exact" if v.get("exact") is True else v.get("exact"), flush=True)
         with open(FLAGS.out, "w") as f:
             json.dump(results, f, indent=1)
     bad = [v for s in results["sizes"] for v in s.get("variants", []) if v.get("checked") is not True]
-    bad += [v for s in results["sizes"] for v in s.get("topk", []) if v.get("exact") is not True]
+    bad += [v for s in results["sizes"] for v in s.get("topk", []) + s.get("selection", []) if v.get("exact") is not True]
     bad += [s for s in results["sizes"] if "error" in s]
     print(f"wrote {FLAGS.out}; {len(bad)} variant(s) failed a check or errored")
     return 1 if bad else 0

@@ -23,7 +23,7 @@ from flax import nnx
 from configs.model import DSAModelConfig
 from models.common import rope
 from models.common.layers import LayerNorm, Linear
-from pallas_kernels import indexer_scores, topk
+from pallas_kernels import common, indexer_scores, topk
 
 
 class Indexer(nnx.Module):
@@ -152,6 +152,13 @@ def select_topk(scores: jax.Array, allowed: jax.Array, k: int) -> jax.Array:
     return topk.topk_reference(jnp.where(allowed, scores, -jnp.inf), k)
 
 
+# decode_topk's default: the scoring kernel counts the top-k's histograms (one pass over the
+# scores fewer, one kernel fewer a layer). Off until timed on the GPU: the scoring kernel then
+# runs programs of >= 2048 keys and a small dot per key block
+# (benchmarks/probes/indexer_fp8_tiling.py --fused; benchmarks/per_request_cost_h200.sh).
+FUSED_TOPK_HISTOGRAM = False
+
+
 def decode_topk(
     q: jax.Array,
     weights: jax.Array,
@@ -162,6 +169,7 @@ def decode_topk(
     k: int,
     *,
     implementation: str | None = None,
+    fused_histogram: bool | None = None,
 ) -> jax.Array:
     """One decode step's indexer selection for the first b request slots -> i32[b, K].
 
@@ -174,9 +182,22 @@ def decode_topk(
     (pallas_kernels/indexer_scores/, topk.py); "reference" is the XLA path (einsum, lax.top_k);
     None picks "pallas" on GPU, "reference" elsewhere. "tpu" (the attention's TPU kernels) has no
     indexer kernel and runs the XLA path here.
+
+    fused_histogram (with "pallas"): the scoring kernel also counts the radix top-k's slice
+    histograms as it writes the scores, and the top-k skips its histogram pass (the same
+    selection). None: FUSED_TOPK_HISTOGRAM.
     """
     if implementation == "tpu":
         implementation = "reference"  # no TPU indexer kernel: XLA's path on TPU
+    if fused_histogram is None:
+        fused_histogram = FUSED_TOPK_HISTOGRAM
+    if fused_histogram and common.resolve_gpu_implementation(implementation, "the indexer") == "pallas":
+        b, C = q.shape[0], index_keys.shape[2]
+        scores, hist = indexer_scores.index_scores_masked(
+            q, weights, index_keys, key_scales, j, positions, implementation="pallas", histogram=True
+        )  # f32[b, C], i32[b, S, 256]
+        span = indexer_scores.histogram_span(b, C, is_fp8(index_keys.dtype))
+        return topk.topk_indices(scores, k, implementation="pallas", method="radix", hist=hist, slice_len=span)
     scores = indexer_scores.index_scores_masked(
         q, weights, index_keys, key_scales, j, positions, implementation=implementation
     )  # f32[b, C], -inf past each position

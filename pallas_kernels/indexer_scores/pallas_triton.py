@@ -11,6 +11,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.indexer_scores.base import MASKED, check_inputs, is_fp8, operand_dtype
+from pallas_kernels.topk.pallas_triton import DIGITS, digit_counts, store_counts
 
 
 def _scores_kernel(
@@ -21,12 +22,13 @@ def _scores_kernel(
     keys_ref,  # [J, R, C, I]
     scales_ref,  # f32[J, R, C] (fp8 keys; unused otherwise)
     out_ref,  # f32[b, C]
-    *,
+    *hist_ref,  # histogram=True: i32[b, S, N], the top-k's digit counts of this program's scores
     block_g: int,
     block_c: int,
     blocks_per_program: int,
     fp8: bool,
     keys_major: bool,
+    histogram: bool,
     interpret: bool,
 ):
     i, program = pl.program_id(0), pl.program_id(1)
@@ -64,13 +66,17 @@ def _scores_kernel(
         if fp8:
             scores = scores * common.gather(scales_ref, (layer, i, safe_c), allowed, 1.0)
         in_row = c < C
-        common.scatter(out_ref, (i, common.safe_index(c, in_row, C)), jnp.where(allowed, scores, MASKED), in_row)
-        return carry
+        scores = jnp.where(allowed, scores, MASKED)  # f32[block_c]: what is stored
+        common.scatter(out_ref, (i, common.safe_index(c, in_row, C)), scores, in_row)
+        return carry + digit_counts(scores) if histogram else carry  # counts f32[16, 16]: the stored values, masked ones not counted
 
+    counts = jnp.zeros((16, 16), jnp.float32) if histogram else 0
     if blocks_per_program == 1:
-        block(0, 0)
+        counts = block(0, counts)
     else:  # q and w loaded once; Triton pipelines the key loads over num_stages
-        jax.lax.fori_loop(0, blocks_per_program, block, 0)
+        counts = jax.lax.fori_loop(0, blocks_per_program, block, counts)
+    if histogram:
+        store_counts(hist_ref[0], (i, program), counts, interpret)
 
 
 def default_blocking(b: int, C: int, fp8: bool) -> tuple[int, int, bool]:
@@ -91,22 +97,47 @@ def default_blocking(b: int, C: int, fp8: bool) -> tuple[int, int, bool]:
     return 64, (16 if many_programs else 4), False
 
 
+# Scores per program when the scoring kernel also counts the top-k's histogram (histogram=True):
+# each program's counts are one row of the radix top-k's slice histograms, which its split
+# kernel reads whole for every slice; longer programs keep that read as today's (2048-score slices).
+HISTOGRAM_SPAN = 2048
+
+
+def histogram_blocking(b: int, C: int, fp8: bool) -> tuple[int, int, bool]:
+    """default_blocking with programs of at least HISTOGRAM_SPAN keys (more blocks per program)."""
+    block_c, blocks, keys_major = default_blocking(b, C, fp8)
+    block_c = min(block_c, max(16, common.next_power_of_2(C)))
+    return block_c, max(blocks, HISTOGRAM_SPAN // block_c), keys_major
+
+
+def histogram_span(b: int, C: int, fp8: bool) -> int:
+    """Scores per program (the top-k's slice_len) of index_scores_masked_pallas(histogram=True)
+    with its default blocking."""
+    block_c, blocks, _ = histogram_blocking(b, C, fp8)
+    span = block_c * min(blocks, pl.cdiv(C, block_c))
+    return span if span < C else max(16, common.next_power_of_2(C))  # one program per request: any power of two >= C
+
+
 @common.lower_once
 def index_scores_masked_pallas(
     q, weights, index_keys, key_scales, layer, positions, *, block_c=None, blocks_per_program=None, num_warps=4, num_stages=None,
-    keys_major=None,
+    keys_major=None, histogram=False,
 ):
     """The Pallas kernel; see index_scores_masked. Each program scores blocks_per_program blocks
-    of block_c keys (a power of two) of one request; None: default_blocking (measured).
+    of block_c keys (a power of two) of one request; None: default_blocking (measured), or with
+    histogram histogram_blocking.
     keys_major: the dot as keys [block_c, I] . q^T (f32[block_c, heads]) rather than q . keys^T;
-    the same products, summed over heads along the other axis (equal to rounding); None: the default's."""
+    the same products, summed over heads along the other axis (equal to rounding); None: the default's.
+    histogram: also return each program's digit counts of the scores it wrote, i32[b, S, N]
+    (S = programs per request), the radix top-k's step 1 (topk_indices_pallas(hist=..., slice_len=
+    block_c x blocks_per_program, histogram_span with the default blocking)): (scores, hist)."""
     check_inputs(q, weights, index_keys, key_scales, layer, positions)
     b, G, I = q.shape
     C = index_keys.shape[2]
     if I < 16 or I & (I - 1):
         raise ValueError(f"the indexer kernel needs a power-of-two head dim >= 16 (a Triton dot), got I = {I}")
     fp8 = is_fp8(index_keys.dtype)
-    default_c, default_blocks, default_keys_major = default_blocking(b, C, fp8)
+    default_c, default_blocks, default_keys_major = (histogram_blocking if histogram else default_blocking)(b, C, fp8)
     keys_major = default_keys_major if keys_major is None else keys_major
     block_c = block_c or default_c
     if block_c < 16 or block_c & (block_c - 1):
@@ -115,6 +146,8 @@ def index_scores_masked_pallas(
     if blocks_per_program is None:
         blocks_per_program = default_blocks
     blocks_per_program = min(blocks_per_program, pl.cdiv(C, block_c))  # no program past the row
+    if histogram and blocks_per_program * block_c < C and blocks_per_program & (blocks_per_program - 1):
+        raise ValueError(f"histogram=True needs a power-of-two blocks_per_program (the top-k's slices), got {blocks_per_program}")
     if num_stages is None:
         num_stages = 3 if blocks_per_program > 1 else 1
     kernel = functools.partial(
@@ -124,17 +157,23 @@ def index_scores_masked_pallas(
         blocks_per_program=blocks_per_program,
         fp8=fp8,
         keys_major=keys_major,
+        histogram=histogram,
         interpret=common.interpret_mode(),
     )
     # An unused f32[1] stands in for the scales of non-fp8 keys (a zero-size operand has no pointer).
     scales = key_scales if fp8 else jnp.zeros((1,), jnp.float32)
-    return pl.pallas_call(
+    programs = pl.cdiv(C, block_c * blocks_per_program)
+    out_shape = [jax.ShapeDtypeStruct((b, C), jnp.float32)]
+    if histogram:
+        out_shape.append(jax.ShapeDtypeStruct((b, programs, DIGITS), jnp.int32))
+    out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((b, C), jnp.float32),
-        grid=(b, pl.cdiv(C, block_c * blocks_per_program)),
+        out_shape=out_shape,
+        grid=(b, programs),
         in_specs=[common.any_spec()] * 6,
-        out_specs=common.any_spec(),
+        out_specs=[common.any_spec()] * len(out_shape),
         compiler_params=common.triton_params(num_warps=num_warps, num_stages=num_stages),
         interpret=common.interpret_mode(),
         name="hisparse_indexer_scores",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), positions.astype(jnp.int32), q, weights.astype(jnp.float32), index_keys, scales)
+    return tuple(out) if histogram else out[0]

@@ -287,30 +287,47 @@ def _reported(keys: jax.Array, pos: jax.Array) -> jax.Array:
     return jnp.where(keys <= _POS_INF_KEY, pos, -1)
 
 
+def _onehot_dtypes(onehot: str):
+    """(one-hot operand, accumulator) dtypes: bf16 one-hots accumulate in f32 (exact below 2**24),
+    int8 ones in i32 (half the bytes through shared memory)."""
+    return (jnp.int8, jnp.int32) if onehot == "int8" else (jnp.bfloat16, jnp.float32)
+
+
+def digit_counts(x: jax.Array, onehot: str = "bfloat16") -> jax.Array:
+    """Scores f32[n] -> the valid ones' digit counts [16, 16] ([high half, low half] of the
+    digit; f32 or i32 by `onehot`, exact). Counted on the tensor cores: one-hot [16, n] (high
+    half) x [16, n]^T (low half); a compare-and-sum over 256 buckets would cost 256 operations
+    per score instead of 64. Masked (-inf) scores are not counted. Shared by the histogram
+    kernel and the indexer's scoring kernel (pallas_kernels/indexer_scores, histogram=True)."""
+    operand, acc = _onehot_dtypes(onehot)
+    half = jnp.arange(_HALF, dtype=jnp.int32)[:, None]  # i32[16, 1]
+    valid = (_sort_keys(x) != INVALID)[None, :]  # bool[1, n]
+    digit = _digit(x)[None, :]  # i32[1, n]
+    high = (((digit >> 4) == half) & valid).astype(operand)  # [16, n]
+    low = ((digit & 15) == half).astype(operand)  # [16, n]
+    return jax.lax.dot_general(high, low, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+
+
+def store_counts(hist_ref, index: tuple, counts: jax.Array, interpret: bool) -> None:
+    """Writes digit_counts' [16, 16] as row hist_ref[*index, :N] (i32)."""
+    lanes = jnp.arange(DIGITS, dtype=jnp.int32)
+    common.scatter(hist_ref, _span(index, 0, DIGITS, DIGITS, interpret), counts.astype(jnp.int32).reshape(DIGITS), lanes < DIGITS)
+
+
 def _histogram_kernel(scores_ref, hist_ref, *, slice_len: int, sub: int, onehot: str, interpret: bool):
-    """scores f32[b, C] -> hist i32[b, S, N]: per digit, the valid scores of slice s of row r.
-    Counted on the tensor cores: one-hot [16, sub] (digit's high half) x [16, sub]^T (low
-    half) accumulates the 16 x 16 buckets exactly in f32 (< 2**24 per slice); a compare-and-sum
-    over 256 buckets would cost 256 operations per score instead of 64."""
+    """scores f32[b, C] -> hist i32[b, S, N]: per digit, the valid scores of slice s of row r
+    (digit_counts over sub-blocks of `sub` scores)."""
     r, s = pl.program_id(0), pl.program_id(1)
     C = scores_ref.shape[1]
-    half = jnp.arange(_HALF, dtype=jnp.int32)[:, None]  # i32[16, 1]
-    # bf16 one-hots accumulate in f32, int8 ones in i32 (half the bytes through shared memory)
-    operand, acc = (jnp.int8, jnp.int32) if onehot == "int8" else (jnp.bfloat16, jnp.float32)
 
     def body(j, counts):  # counts [16, 16]: [high half, low half] of the digit
         start = s * slice_len + j * sub
         c = start + jnp.arange(sub, dtype=jnp.int32)
-        x = common.gather(scores_ref, _span(r, start, sub, C, interpret), c < C, -jnp.inf)  # f32[sub]
-        valid = (_sort_keys(x) != INVALID)[None, :]  # bool[1, sub]; masked and past C: not counted
-        digit = _digit(x)[None, :]  # i32[1, sub]
-        high = (((digit >> 4) == half) & valid).astype(operand)  # [16, sub]
-        low = ((digit & 15) == half).astype(operand)  # [16, sub]
-        return counts + jax.lax.dot_general(high, low, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+        x = common.gather(scores_ref, _span(r, start, sub, C, interpret), c < C, -jnp.inf)  # f32[sub]; past C: not counted
+        return counts + digit_counts(x, onehot)
 
-    counts = jax.lax.fori_loop(0, slice_len // sub, body, jnp.zeros((_HALF, _HALF), acc))
-    lanes = jnp.arange(DIGITS, dtype=jnp.int32)
-    common.scatter(hist_ref, _span((r, s), 0, DIGITS, DIGITS, interpret), counts.astype(jnp.int32).reshape(DIGITS), lanes < DIGITS)
+    counts = jax.lax.fori_loop(0, slice_len // sub, body, jnp.zeros((_HALF, _HALF), _onehot_dtypes(onehot)[1]))
+    store_counts(hist_ref, (r, s), counts, interpret)
 
 
 def _row_histogram(hist_ref, r, interpret: bool) -> jax.Array:
@@ -441,9 +458,12 @@ def _resolve_kernel(
 
 
 def _topk_radix(
-    scores, k: int, *, slice_len=2048, sub=512, onehot="bfloat16", split_chunk=None, chunk=4096, hist_warps=4, split_warps=4, resolve_warps=8, stop_after=None
-):
-    """method="radix" (module docstring). slice_len: scores per histogram / split program (a
+    scores, k: int, *, hist=None, slice_len=2048, sub=512, onehot="bfloat16", split_chunk=None, chunk=4096, hist_warps=4, split_warps=4,
+    resolve_warps=8, stop_after=None,
+):  # fmt: skip
+    """method="radix" (module docstring). hist: i32[b, S, N], step 1's histograms made already
+    (the indexer's scoring kernel with histogram=True) over slices of `slice_len` scores: the
+    histogram kernel is then skipped. slice_len: scores per histogram / split program (a
     power of two); sub: scores per one-hot product, onehot its dtype ("bfloat16" or "int8");
     split_chunk: scores per split step (None: the slice); chunk: candidates held in registers
     by the resolve program (more are re-read from memory on every bisection step). stop_after
@@ -469,16 +489,20 @@ def _topk_radix(
     S = pl.cdiv(C, slice_len)
     i32 = jnp.int32
     scores = scores.astype(jnp.float32)
-    hist = pl.pallas_call(
-        functools.partial(_histogram_kernel, slice_len=slice_len, sub=sub, onehot=onehot, interpret=interpret),
-        out_shape=jax.ShapeDtypeStruct((b, S, DIGITS), i32),
-        grid=(b, S),
-        in_specs=[common.any_spec()],
-        out_specs=common.any_spec(),
-        compiler_params=common.triton_params(num_warps=hist_warps, num_stages=1),
-        interpret=interpret,
-        name="hisparse_indexer_topk_histogram",
-    )(scores)
+    if hist is not None:
+        if tuple(hist.shape) != (b, S, DIGITS) or hist.dtype != i32:
+            raise ValueError(f"hist must be i32[b, S, N] = ({b}, {S}, {DIGITS}) for {C} scores in slices of {slice_len}, got {hist.dtype}{list(hist.shape)}")
+    else:
+        hist = pl.pallas_call(
+            functools.partial(_histogram_kernel, slice_len=slice_len, sub=sub, onehot=onehot, interpret=interpret),
+            out_shape=jax.ShapeDtypeStruct((b, S, DIGITS), i32),
+            grid=(b, S),
+            in_specs=[common.any_spec()],
+            out_specs=common.any_spec(),
+            compiler_params=common.triton_params(num_warps=hist_warps, num_stages=1),
+            interpret=interpret,
+            name="hisparse_indexer_topk_histogram",
+        )(scores)
     if stop_after == "histogram":
         return hist
     kept_keys, kept_pos, cand_keys, cand_pos = pl.pallas_call(
@@ -524,13 +548,15 @@ def default_method(b: int, C: int) -> str:
 
 @common.lower_once
 def topk_indices_pallas(scores, k: int, *, method=None, **tuning):
-    """The Pallas kernels; see topk_indices. method "radix" (tuning: _topk_radix's arguments),
-    "bisect" (the 2026-12-01 kernel; tuning: _topk_bisect's) or None (default_method; name the
-    method when passing tuning)."""
+    """The Pallas kernels; see topk_indices. method "radix" (tuning: _topk_radix's arguments,
+    hist= included), "bisect" (the 2026-12-01 kernel; tuning: _topk_bisect's) or None
+    (default_method, "radix" when given hist; name the method when passing other tuning)."""
     check_rank("scores", scores, 2, "[b, C]")
     if k < 1:
         raise ValueError(f"k ({k}) must be >= 1")
-    method = method or default_method(*scores.shape)
+    if tuning.get("hist") is not None and method not in (None, "radix"):
+        raise ValueError(f"hist (the scoring kernel's histograms) is for method 'radix', not {method!r}")
+    method = method or ("radix" if tuning.get("hist") is not None else default_method(*scores.shape))
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method == "radix":
