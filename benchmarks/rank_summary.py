@@ -1,7 +1,9 @@
 """Issue 21's table from the rank runs' JSONs (bench_serving.py --preset): per preset and context,
 capacities, ratio_at_capacity and ratio_c1 against their goals, and for each ratio that misses
 its goal the measured step split at capacity of both engines, the step HiSparse would need and
-the category that holds it (the largest difference over the baseline, in ms per step).
+the category that holds it (the largest difference over the baseline, in ms per step); and,
+per category, what each further running request adds to each engine's step against what the
+goal allows HiSparse (derived from the splits at 1 and at capacity).
 
     python benchmarks/rank_summary.py --out=docs/perf/bench_serving_rank_h200_<date>.json \
         [--plot=docs/perf/rank_ratios_h200_<date>.png] FILE.json ...
@@ -41,6 +43,16 @@ def _split(data: dict, mode: str, running: int) -> dict | None:
     return dict(entry["categories_ms"], device_busy=entry["device_busy_ms_per_step"])
 
 
+def per_request(data: dict, mode: str, running: int) -> dict | None:
+    """What one more running request adds to `mode`'s profiled step, per device category (ms per
+    step): (split at `running` - split at 1) / (running - 1). None below 2 running or without
+    both splits. Derived from two measured splits, not measured itself."""
+    low, high = _split(data, mode, 1), _split(data, mode, running)
+    if running < 2 or low is None or high is None:
+        return None
+    return {c: (high[c] - low[c]) / (running - 1) for c in (*DEVICE_CATEGORIES, "device_busy")}
+
+
 def what_holds(data: dict, row: dict) -> dict | None:
     """For a ratio_at_capacity under its goal: the ITL HiSparse's capacity step would need, its
     measured one, and the device categories where it spends more than the baseline's capacity
@@ -56,11 +68,17 @@ def what_holds(data: dict, row: dict) -> dict | None:
     # throughput = running / ITL, so goal x the baseline's needs ITL <= h_cap / (goal x its throughput)
     needed_ms = h_cap / (goal * baseline["decode_throughput"]) * 1e3
     over = {c: h_split[c] - b_split[c] for c in DEVICE_CATEGORIES}
+    # The per-request budget: from HiSparse's one-request device time, what each further request
+    # may add for the needed step, against what it adds now (per_request).
+    h_one = _split(data, "hisparse", 1)
+    needed_per_request = None if h_one is None or h_cap < 2 else (needed_ms - h_one["device_busy"]) / (h_cap - 1)
     return dict(
         goal=goal, hisparse_itl_ms=hisparse["itl_ms"]["mean"], needed_itl_ms=needed_ms,
         hisparse_device_busy_ms=h_split["device_busy"], baseline_device_busy_ms=b_split["device_busy"],
         over_baseline_ms=dict(sorted(over.items(), key=lambda kv: -kv[1])),
         hisparse_split_ms={c: h_split[c] for c in DEVICE_CATEGORIES}, baseline_split_ms={c: b_split[c] for c in DEVICE_CATEGORIES},
+        hisparse_per_request_ms=per_request(data, "hisparse", h_cap), baseline_per_request_ms=per_request(data, "baseline", b_cap),
+        needed_per_request_ms=needed_per_request,
     )  # fmt: skip
 
 
@@ -121,6 +139,20 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['preset']} | {r['context']:,} | {r['capacity_hisparse']} / {r['capacity_baseline']} | "
             f"{_ratio(r['ratio_at_capacity'])} ({r['capacity_goal']:g}) | {holds} | {_ratio(r['ratio_c1'])} | {holds_c1} | {r['source']} |"
         )
+    budget = [r for r in rows if r["held_by"] and r["held_by"]["hisparse_per_request_ms"] and r["held_by"]["needed_per_request_ms"] is not None]
+    if budget:  # what each further request adds to the capacity step, and what the goal allows
+        lines += ["", "Per further running request, ms per step (derived: (split at capacity - split at 1) / (capacity - 1)):", "",
+                  "| preset | context | engine | " + " | ".join(DEVICE_CATEGORIES) + " | device busy | the goal allows |",
+                  "|---|---|---|" + "---|" * (len(DEVICE_CATEGORIES) + 2)]  # fmt: skip
+        for r in budget:
+            held = r["held_by"]
+            for engine in ("hisparse", "baseline"):
+                slopes = held[f"{engine}_per_request_ms"]
+                if slopes is None:
+                    continue
+                allows = f"{held['needed_per_request_ms']:.3f}" if engine == "hisparse" else ""
+                cells = " | ".join(f"{slopes[c]:.3f}" for c in (*DEVICE_CATEGORIES, "device_busy"))
+                lines.append(f"| {r['preset']} | {r['context']:,} | {engine} | {cells} | {allows} |")
     return "\n".join(lines)
 
 
