@@ -213,6 +213,26 @@ def test_scoring_kernel_counts_the_topk_histograms_of_what_it_writes(key_dtype, 
         topk.topk_indices_pallas(scores, 16, method="bisect", hist=hist, slice_len=64)
 
 
+def test_decode_topk_fuses_the_histogram_where_asked_or_where_the_scoring_still_fills_the_gpu(monkeypatch):
+    """fused_histogram=True fuses; None follows FUSED_TOPK_HISTOGRAM, and only for batches whose
+    2048-key programs still make two waves (4 requests of 300 keys do not: 4 programs)."""
+    from models.dsa import indexer
+
+    q, w, keys, scales, positions = make_inputs("bfloat16")
+
+    def has_histogram_kernel(**kwargs):
+        select = functools.partial(decode_topk, k=16, implementation="pallas", **kwargs)
+        eqns = all_eqns(jax.make_jaxpr(select)(q, w, keys, scales, jnp.int32(0), positions).jaxpr)
+        names = [str(e.params["name"]) for e in eqns if e.primitive.name == "pallas_call"]
+        assert "hisparse_indexer_scores" in names  # the names are what the test reads
+        return "hisparse_indexer_topk_histogram" in names
+
+    assert has_histogram_kernel() and not has_histogram_kernel(fused_histogram=True)
+    monkeypatch.setattr(indexer, "FUSED_TOPK_HISTOGRAM", True)
+    assert has_histogram_kernel()  # too small a batch
+    assert not indexer_scores.histogram_fills_the_gpu(1, 131072) and indexer_scores.histogram_fills_the_gpu(9, 131072)
+
+
 def test_the_scoring_kernel_reads_the_cache_in_place():
     """The kernel gets the whole [J, R, C, I] cache (no [b, C, I] slice copied for it)."""
     q, w, keys, scales, positions = make_inputs("bfloat16")

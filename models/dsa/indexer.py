@@ -185,12 +185,13 @@ def decode_topk(
 
     fused_histogram (with "pallas"): the scoring kernel also counts the radix top-k's slice
     histograms as it writes the scores, and the top-k skips its histogram pass (the same
-    selection). None: FUSED_TOPK_HISTOGRAM.
+    selection). None: FUSED_TOPK_HISTOGRAM, for batches whose scoring then still fills the GPU
+    (indexer_scores.histogram_fills_the_gpu).
     """
     if implementation == "tpu":
         implementation = "reference"  # no TPU indexer kernel: XLA's path on TPU
     if fused_histogram is None:
-        fused_histogram = FUSED_TOPK_HISTOGRAM
+        fused_histogram = FUSED_TOPK_HISTOGRAM and indexer_scores.histogram_fills_the_gpu(q.shape[0], index_keys.shape[2])
     if fused_histogram and common.resolve_gpu_implementation(implementation, "the indexer") == "pallas":
         b, C = q.shape[0], index_keys.shape[2]
         scores, hist = indexer_scores.index_scores_masked(
