@@ -1,7 +1,10 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 from benchmarks.probes import command_buffer_updates, pass_times, spy_top, state_copies
 
@@ -178,3 +181,19 @@ def test_dense_fp8_linear_probe_finds_the_models_projections_and_checks_each_til
     assert "mla.value_lift" in names and not any(n.startswith("mlp.experts") for n in names)  # the routed experts are not Linears
     tuned = [r for r in rows if r.get("variant") == "m16"]
     assert tuned and all(r["rows"] == 3 and r["equal_to_current"] for r in tuned)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA's compiler) to build the probe")
+def test_host_row_gather_builds_and_refuses_what_it_cannot_run(tmp_path):
+    """benchmarks/probes/host_row_gather.cu builds for the H200 (sm_90); without a GPU, or with an
+    unknown flag, it ends with one error line and status 2 (the measurement itself is the GPU's)."""
+    binary = tmp_path / "host_row_gather"
+    source = os.path.join(ROOT, "benchmarks", "probes", "host_row_gather.cu")
+    built = subprocess.run(["nvcc", "-O3", "-arch=sm_90", "-std=c++17", "-o", str(binary), source], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    for args, message in ((["--bogus=1"], "error: unknown argument --bogus=1"), (["--row_bytes=650"], "must be a multiple of 16")):
+        done = subprocess.run([str(binary), *args], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and message in done.stderr
+    if not os.path.exists("/dev/nvidia0"):
+        done = subprocess.run([str(binary)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and done.stderr.strip() == "error: no CUDA device"
