@@ -105,8 +105,9 @@ def bisect(order, chunk=32768):
 
 @pytest.mark.parametrize(
     "k, tuning",
-    [(16, RADIX_SMALL), (64, RADIX_SMALL), (64, RADIX_ONE_SLICE), (16, bisect("kernel")), (16, bisect("fused", 64)), (64, bisect("xla"))],
-)  # bisect chunk 64: the row spans 5 chunks and each pass re-reads it from memory
+    [(16, RADIX_SMALL), (64, RADIX_SMALL), (64, RADIX_SMALL + (("row_plan", False),)), (64, RADIX_ONE_SLICE), (16, bisect("kernel")),
+     (16, bisect("fused", 64)), (64, bisect("xla"))],
+)  # bisect chunk 64: the row spans 5 chunks and each pass re-reads it from memory; row_plan False: every split program plans
 def test_topk_kernel_equals_lax_top_k_with_ties(k, tuning):
     scores = tied_scores()
     expected = np.asarray(topk_of(scores, k, "reference"))
@@ -120,8 +121,10 @@ def test_radix_topk_on_distinct_scores_over_many_slices():
     x = np.random.default_rng(3).standard_normal((3, 1000)).astype(np.float32)
     x[1, 700:] = -np.inf
     scores = jnp.asarray(x)
-    tuning = (("slice_len", 128), ("sub", 32), ("chunk", 64))
-    np.testing.assert_array_equal(np.asarray(topk_of(scores, 100, "pallas", tuning)), np.asarray(topk_of(scores, 100, "reference")))
+    expected = np.asarray(topk_of(scores, 100, "reference"))
+    for row_plan in (True, False):
+        tuning = (("slice_len", 128), ("sub", 32), ("chunk", 64), ("row_plan", row_plan))
+        np.testing.assert_array_equal(np.asarray(topk_of(scores, 100, "pallas", tuning)), expected)
 
 
 def test_default_launch_choices_follow_the_measurements():

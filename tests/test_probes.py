@@ -1,3 +1,4 @@
+import importlib.util
 import json
 import os
 import shutil
@@ -197,3 +198,36 @@ def test_host_row_gather_builds_and_refuses_what_it_cannot_run(tmp_path):
     if not os.path.exists("/dev/nvidia0"):
         done = subprocess.run([str(binary)], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and done.stderr.strip() == "error: no CUDA device"
+
+
+def test_kernel_resources_reads_launches_and_counts_programs_per_sm():
+    """benchmarks/probes/kernel_resources.py's own arithmetic, without Triton: the launch of each
+    Triton custom call from lowered text (the module bytecode, which may hold braces, skipped),
+    and the H200's programs per SM by registers (per warp, in units of 256), threads, shared memory."""
+    from benchmarks.probes import kernel_resources as kr
+
+    text = ('%0 = stablehlo.custom_call @__gpu$xla.gpu.triton(%arg0) {backend_config = "", mhlo.backend_config = {debug = false, '
+            'grid_x = 50 : i32, grid_y = 20 : i32, grid_z = 1 : i32, ir = "ML\\EFR}{\\22x", name = "hisparse_indexer_topk_split", '
+            'num_stages = 1 : i32, num_warps = 4 : i32}} : (tensor<50x40960xf32>) -> tensor<50x2048xi32>')
+    assert kr.launches(text) == {"hisparse_indexer_topk_split": {"num_warps": 4, "num_stages": 1, "grid": [50, 20, 1]}}
+    # 154 registers x 32 lanes -> 4,992 a warp -> 5,120 allocated; x 4 warps = 20,480: 3 programs in 65,536.
+    assert kr.occupancy(154, 4, 8192) == {"programs_per_sm": 3, "bound_by": "registers",
+                                          "limits": {"registers": 3, "threads": 16, "shared": 28, "blocks": 32}}  # fmt: skip
+    assert kr.occupancy(24, 16, 0)["bound_by"] == "threads" and kr.occupancy(40, 1, 120_000)["programs_per_sm"] == 1
+    assert kr.occupancy(64, 8, 240_000)["programs_per_sm"] == 0  # over a block's shared memory: it cannot run
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (pip install triton==3.6.0) to compile the kernels")
+def test_kernel_resources_compiles_the_kernels_of_a_case(tmp_path):
+    """With Triton installed: the radix top-k's four kernels at 9 x 131,072, each compiled, with
+    registers, shared memory and waves; the per-row plan keeps the split program under 255 registers."""
+    out = tmp_path / "resources.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "probes", "kernel_resources.py"), "--cases=topk_radix/9x131072", f"--out={out}"],
+        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    kernels = {k["kernel"]: k for k in json.loads(out.read_text())["kernels"]}
+    assert set(kernels) == {f"hisparse_indexer_topk_{name}" for name in ("histogram", "plan", "split", "resolve")}
+    assert all(k["registers"] > 0 and k["programs_per_sm"] > 0 for k in kernels.values())
+    assert kernels["hisparse_indexer_topk_split"]["registers"] < 255 and kernels["hisparse_indexer_topk_split"]["programs"] == 9 * 64

@@ -15,10 +15,11 @@ several programs per request, then an exact select inside the threshold bucket o
      its fp16 order key (sign, 5 exponent bits, 2 mantissa bits: a monotone function of the
      score; SGLang's top-k buckets the same way), counted per slice in i32[b, S, 256] by a
      one-hot product on the tensor cores ([16, L] x [L, 16] -> 16 x 16 buckets);
-  2. split (grid b x S): the threshold digit D (the largest with >= K scores at or above it)
-     from the row's histogram; the scores above D are kept outright, in position order, and
-     those at D (the candidates) compacted in position order to a scratch row; every slice's
-     offset comes from the histograms of the slices before it;
+  2. plan (grid b): the threshold digit D (the largest with >= K scores at or above it) from
+     the row's histograms, and each slice's offsets (the sure scores and candidates of the
+     slices before it); split (grid b x S): the scores above D are kept outright, in position
+     order, and those at D (the candidates) compacted in position order to a scratch row, at
+     the slice's offsets (row_plan=False: every split program plans from the whole histogram);
   3. resolve (grid b): among the candidates, the exact (K - kept)-th largest key T by bisection
      between the candidates' smallest and largest keys (a 2**21-wide range for one fp16
      bucket of 2 mantissa bits), then the candidates > T and the lowest-position ones == T

@@ -339,11 +339,11 @@ def _row_histogram(hist_ref, r, interpret: bool) -> jax.Array:
     return common.gather(hist_ref, index, jnp.broadcast_to(ok[:, None], (rows.shape[0], DIGITS)), 0)
 
 
-def _bucket_plan(hist: jax.Array, s, k: int) -> tuple:
-    """One row's slice histograms i32[S', N], slice s -> i32[] each: (D, sure_before,
-    cand_before, n_sure, n_cand, n_valid). D: the threshold digit, the largest with >= K valid
-    scores at or above it (-1 when the row has fewer than K: all of them are kept). Sure: valid
-    scores with digit > D (all kept); candidates: digit == D; *_before: in the slices before s."""
+def _row_plan(hist: jax.Array, k: int) -> tuple:
+    """One row's slice histograms i32[S', N] -> (D, sure i32[S'], cand i32[S'], n_valid): the
+    threshold digit D (the largest with >= K valid scores at or above it; -1 when the row has
+    fewer than K: all of them are kept), and per slice its sure scores (digit > D, all kept) and
+    candidates (digit == D)."""
     total = jnp.sum(hist, axis=0)  # i32[N]
     n_valid = jnp.sum(total)
     at_or_above = n_valid - (jnp.cumsum(total) - total)  # i32[N]: valid scores with digit >= d
@@ -351,18 +351,46 @@ def _bucket_plan(hist: jax.Array, s, k: int) -> tuple:
     d = jnp.max(jnp.where(at_or_above >= k, digits, -1))
     sure = jnp.sum(jnp.where(digits[None, :] > d, hist, 0), axis=1)  # i32[S']
     cand = jnp.sum(jnp.where(digits[None, :] == d, hist, 0), axis=1)  # i32[S']
+    return d, sure, cand, n_valid
+
+
+def _row_plan_kernel(hist_ref, totals_ref, sure_before_ref, cand_before_ref, *, k: int, interpret: bool):
+    """Step 2a (row_plan=True), once per row r: _row_plan of its histograms, written as
+    totals[r] = (D, sure, candidates, valid) and per slice s the sure scores and candidates in the
+    slices before s. The split and resolve programs then read a few counts, not the whole
+    histogram (S x 256 values: a split program at 64 slices used 255 registers for it, 154
+    without, by benchmarks/probes/kernel_resources.py)."""
+    r = pl.program_id(0)
+    hist = _row_histogram(hist_ref, r, interpret)  # i32[S', N]
+    d, sure, cand, n_valid = _row_plan(hist, k)
+    S = sure_before_ref.shape[1]
+    slices = jnp.arange(hist.shape[0], dtype=jnp.int32)
+    in_row = slices < S
+    common.scatter(sure_before_ref, (r, common.safe_index(slices, in_row, S)), jnp.cumsum(sure) - sure, in_row)
+    common.scatter(cand_before_ref, (r, common.safe_index(slices, in_row, S)), jnp.cumsum(cand) - cand, in_row)
+    fields = jnp.arange(4, dtype=jnp.int32)
+    values = jnp.where(fields == 0, d, jnp.where(fields == 1, jnp.sum(sure), jnp.where(fields == 2, jnp.sum(cand), n_valid)))
+    common.scatter(totals_ref, (r, fields), values, fields < 4)
+
+
+def _plan_of(plan_refs, r, s, k: int, interpret: bool) -> tuple:
+    """(D, sure before slice s, candidates before s, sure, candidates, valid) of row r: read from
+    _row_plan_kernel's outputs (plan_refs: totals, sure_before, cand_before), or computed here from
+    the row's histograms (plan_refs: the histogram ref alone; row_plan=False)."""
+    if len(plan_refs) == 3:
+        totals_ref, sure_before_ref, cand_before_ref = plan_refs
+        return (totals_ref[r, 0], sure_before_ref[r, s], cand_before_ref[r, s], totals_ref[r, 1], totals_ref[r, 2], totals_ref[r, 3])
+    hist = _row_histogram(plan_refs[0], r, interpret)  # i32[S', N]
+    d, sure, cand, n_valid = _row_plan(hist, k)
     before = jnp.arange(hist.shape[0], dtype=jnp.int32) < s
     return d, jnp.sum(jnp.where(before, sure, 0)), jnp.sum(jnp.where(before, cand, 0)), jnp.sum(sure), jnp.sum(cand), n_valid
 
 
 def _split_kernel(
-    hist_ref,  # i32[b, S, N]
-    scores_ref,  # f32[b, C]
-    kept_keys_ref,  # i32[b, K]: ~key of the kept scores, [0, n_sure) written here
-    kept_pos_ref,  # i32[b, K]: their reported positions
-    cand_keys_ref,  # i32[b, C]: keys of the candidates (digit == D), [0, n_cand) written
-    cand_pos_ref,  # i32[b, C]: their positions
-    *,
+    *refs,  # the plan (_plan_of: i32[b, 4] totals, i32[b, S] x 2; or the histograms i32[b, S, N]), then:
+    #   scores f32[b, C]; out: kept keys i32[b, K] (~key of the kept scores, [0, n_sure) written
+    #   here), kept positions i32[b, K], candidate keys i32[b, C] (digit == D, [0, n_cand)
+    #   written), candidate positions i32[b, C]
     k: int,
     slice_len: int,
     chunk: int,
@@ -370,9 +398,10 @@ def _split_kernel(
 ):
     """Step 2 for slice s of row r: sure scores to the kept row, candidates to the scratch row,
     both in position order (a slice's offset: the counts of the slices before it)."""
+    *plan_refs, scores_ref, kept_keys_ref, kept_pos_ref, cand_keys_ref, cand_pos_ref = refs
     r, s = pl.program_id(0), pl.program_id(1)
     C, K = scores_ref.shape[1], kept_keys_ref.shape[1]
-    d, sure_before, cand_before, _, _, _ = _bucket_plan(_row_histogram(hist_ref, r, interpret), s, k)
+    d, sure_before, cand_before, _, _, _ = _plan_of(plan_refs, r, s, k, interpret)
 
     def body(j, carry):
         sure_seen, cand_seen = carry  # kept / candidate scores before this chunk, in the row
@@ -397,24 +426,19 @@ def _split_kernel(
 
 
 def _resolve_kernel(
-    hist_ref,  # i32[b, S, N]
-    cand_keys_ref,  # i32[b, C]
-    cand_pos_ref,  # i32[b, C]
-    kept_keys_in,  # i32[b, K]: aliased to kept_keys_ref
-    kept_pos_in,  # i32[b, K]: aliased to kept_pos_ref
-    kept_keys_ref,  # i32[b, K]: [n_sure, K) written here (chosen candidates, then padding)
-    kept_pos_ref,  # i32[b, K]
-    *,
+    *refs,  # the plan (as _split_kernel's), then: candidate keys and positions i32[b, C] x 2, kept keys and
+    #         positions i32[b, K] x 2 (aliased to the outputs), out: kept keys and positions ([n_sure, K)
+    #         written here: chosen candidates, then padding)
     k: int,
     chunk: int,
     interpret: bool,
 ):
     """Step 3 for row r: the exact threshold among the candidates, the chosen ones appended in
     position order, the rest of the kept row padded (key ~INVALID, position -1)."""
-    del kept_keys_in, kept_pos_in
+    *plan_refs, cand_keys_ref, cand_pos_ref, _kept_keys_in, _kept_pos_in, kept_keys_ref, kept_pos_ref = refs
     r = pl.program_id(0)
     C, K = cand_keys_ref.shape[1], kept_keys_ref.shape[1]
-    _, _, _, n_sure, n_cand, n_valid = _bucket_plan(_row_histogram(hist_ref, r, interpret), 0, k)
+    _, _, _, n_sure, n_cand, n_valid = _plan_of(plan_refs, r, 0, k, interpret)
     n_kept = jnp.minimum(n_valid, k)
     need = n_kept - n_sure  # candidates to keep: 1 .. n_cand, or 0 (then n_cand is 0)
 
@@ -458,10 +482,13 @@ def _resolve_kernel(
 
 
 def _topk_radix(
-    scores, k: int, *, hist=None, slice_len=2048, sub=512, onehot="bfloat16", split_chunk=None, chunk=4096, hist_warps=4, split_warps=4,
-    resolve_warps=8, stop_after=None,
+    scores, k: int, *, hist=None, row_plan=True, slice_len=2048, sub=512, onehot="bfloat16", split_chunk=None, chunk=4096, hist_warps=4,
+    plan_warps=8, split_warps=4, resolve_warps=8, stop_after=None,
 ):  # fmt: skip
-    """method="radix" (module docstring). hist: i32[b, S, N], step 1's histograms made already
+    """method="radix" (module docstring). row_plan: the threshold digit and each slice's offsets
+    computed once per row by a kernel of their own (step 2a), rather than by every split program
+    and the resolve from the whole histogram (False: the 2026-12-01 kernels; kept for the GPU's
+    A/B: not yet timed there). hist: i32[b, S, N], step 1's histograms made already
     (the indexer's scoring kernel with histogram=True) over slices of `slice_len` scores: the
     histogram kernel is then skipped. slice_len: scores per histogram / split program (a
     power of two); sub: scores per one-hot product, onehot its dtype ("bfloat16" or "int8");
@@ -505,27 +532,39 @@ def _topk_radix(
         )(scores)
     if stop_after == "histogram":
         return hist
+    plan = (hist,)
+    if row_plan:
+        plan = pl.pallas_call(
+            functools.partial(_row_plan_kernel, k=k, interpret=interpret),
+            out_shape=[jax.ShapeDtypeStruct((b, 4), i32), jax.ShapeDtypeStruct((b, S), i32), jax.ShapeDtypeStruct((b, S), i32)],
+            grid=(b,),
+            in_specs=[common.any_spec()],
+            out_specs=[common.any_spec()] * 3,
+            compiler_params=common.triton_params(num_warps=plan_warps, num_stages=1),
+            interpret=interpret,
+            name="hisparse_indexer_topk_plan",
+        )(hist)
     kept_keys, kept_pos, cand_keys, cand_pos = pl.pallas_call(
         functools.partial(_split_kernel, k=k, slice_len=slice_len, chunk=split_chunk, interpret=interpret),
         out_shape=[jax.ShapeDtypeStruct(shape, i32) for shape in ((b, k), (b, k), (b, C), (b, C))],
         grid=(b, S),
-        in_specs=[common.any_spec()] * 2,
+        in_specs=[common.any_spec()] * (len(plan) + 1),
         out_specs=[common.any_spec()] * 4,
         compiler_params=common.triton_params(num_warps=split_warps, num_stages=1),
         interpret=interpret,
         name="hisparse_indexer_topk_split",
-    )(hist, scores)
+    )(*plan, scores)
     kept_keys, kept_pos = pl.pallas_call(
         functools.partial(_resolve_kernel, k=k, chunk=chunk, interpret=interpret),
         out_shape=[jax.ShapeDtypeStruct((b, k), i32)] * 2,
         grid=(b,),
-        in_specs=[common.any_spec()] * 5,
+        in_specs=[common.any_spec()] * (len(plan) + 4),
         out_specs=[common.any_spec()] * 2,
-        input_output_aliases={3: 0, 4: 1},
+        input_output_aliases={len(plan) + 2: 0, len(plan) + 3: 1},
         compiler_params=common.triton_params(num_warps=resolve_warps, num_stages=1),
         interpret=interpret,
         name="hisparse_indexer_topk_resolve",
-    )(hist, cand_keys, cand_pos, kept_keys, kept_pos)
+    )(*plan, cand_keys, cand_pos, kept_keys, kept_pos)
     if stop_after == "resolve":
         return kept_pos
     # (~key asc, position asc) = key descending, ties by the lower position; NaN and padding
