@@ -231,3 +231,72 @@ def check_gather_inputs(pool, layer, host_slots, counts) -> None:
     check_rank("counts", counts, 1, "[R]")
     check_equal("counts batch", counts.shape[0], "host_slots batch (R)", host_slots.shape[0])
     check_layer_index(layer, pool.shape[0])
+
+
+# --------------------------------------------------------------------------------------------
+# Score keys and digits: the radix top-k's buckets (pallas_kernels/topk), which the indexer's
+# scoring kernel can count as it writes its scores (pallas_kernels/indexer_scores, histogram=True)
+# --------------------------------------------------------------------------------------------
+
+INVALID = np.iinfo(np.int32).min  # the key of a masked position (below every real score's key)
+NEG_INF_KEY = int(np.int32(np.uint32(0xFF800000).view(np.int32)) ^ 0x7FFFFFFF)  # key(-inf)
+DIGITS = 256  # histogram buckets: an 8-bit digit
+DIGIT_HALF = 16  # a digit's two 4-bit halves: a [16, L] x [L, 16] one-hot product counts 256 buckets
+
+
+def sort_keys(x: jax.Array) -> jax.Array:
+    """f32[n] -> i32[n]: signed ints in the floats' order (-0 = +0, NaN above +inf); -inf (and
+    -NaN) -> INVALID."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
+    key = jnp.where(key == -1, 0, key)  # -0.0 (key -1) ties with +0.0, as on the GPU
+    return jnp.where(key > NEG_INF_KEY, key, INVALID)
+
+
+def score_digit(x: jax.Array) -> jax.Array:
+    """f32[n] -> i32[n] in [0, 256): the top 8 bits of the score's fp16 order key (sign, 5
+    exponent bits, 2 mantissa bits). Monotone in the score (rounding to fp16 is), -0 = +0, and
+    NaN, +inf and scores past fp16's range in the top buckets: the kept set depends on the exact
+    keys only, the digit only decides which scores need them."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float16), jnp.int16).astype(jnp.int32)  # sign-extended
+    key = bits ^ ((bits >> 15) & 0x7FFF)  # i32 in [-32768, 32767], fp16 order
+    key = jnp.where(key == -1, 0, key)  # fp16 -0.0 (tiny negatives round to it) ties with +0
+    return (key >> 8) + 128
+
+
+def span(leading, start, size: int, length: int, interpret: bool) -> tuple:
+    """Index of ref[*leading, start : start + size] (a last axis of `length`; lanes past it must
+    be masked). leading: an index or a tuple of them. The Triton lowering takes a contiguous
+    slice (vectorised, coalesced accesses); the interpreter an index array whose lanes past the
+    end point one past it (see row_block)."""
+    leading = leading if isinstance(leading, tuple) else (leading,)
+    if interpret:
+        lanes = start + jnp.arange(size, dtype=jnp.int32)
+        return (*leading, jnp.minimum(lanes, length))
+    return (*leading, pl.ds(start, size))
+
+
+def onehot_dtypes(onehot: str):
+    """(one-hot operand, accumulator) dtypes: bf16 one-hots accumulate in f32 (exact below 2**24),
+    int8 ones in i32 (half the bytes through shared memory)."""
+    return (jnp.int8, jnp.int32) if onehot == "int8" else (jnp.bfloat16, jnp.float32)
+
+
+def digit_counts(x: jax.Array, onehot: str = "bfloat16") -> jax.Array:
+    """Scores f32[n] -> the valid ones' digit counts [16, 16] ([high half, low half] of the
+    digit; f32 or i32 by `onehot`, exact). Counted on the tensor cores: one-hot [16, n] (high
+    half) x [16, n]^T (low half); a compare-and-sum over 256 buckets would cost 256 operations
+    per score instead of 64. Masked (-inf) scores are not counted."""
+    operand, acc = onehot_dtypes(onehot)
+    half = jnp.arange(DIGIT_HALF, dtype=jnp.int32)[:, None]  # i32[16, 1]
+    valid = (sort_keys(x) != INVALID)[None, :]  # bool[1, n]
+    digit = score_digit(x)[None, :]  # i32[1, n]
+    high = (((digit >> 4) == half) & valid).astype(operand)  # [16, n]
+    low = ((digit & 15) == half).astype(operand)  # [16, n]
+    return jax.lax.dot_general(high, low, (((1,), (1,)), ((), ())), preferred_element_type=acc)
+
+
+def store_digit_counts(hist_ref, index: tuple, counts: jax.Array, interpret: bool) -> None:
+    """Writes digit_counts' [16, 16] as row hist_ref[*index, :DIGITS] (i32)."""
+    lanes = jnp.arange(DIGITS, dtype=jnp.int32)
+    scatter(hist_ref, span(index, 0, DIGITS, DIGITS, interpret), counts.astype(jnp.int32).reshape(DIGITS), lanes < DIGITS)

@@ -105,9 +105,9 @@ def bisect(order, chunk=32768):
 
 @pytest.mark.parametrize(
     "k, tuning",
-    [(16, RADIX_SMALL), (64, RADIX_SMALL), (64, RADIX_SMALL + (("row_plan", False),)), (64, RADIX_ONE_SLICE), (16, bisect("kernel")),
+    [(16, RADIX_SMALL), (64, RADIX_SMALL), (64, RADIX_SMALL + (("row_plan", True),)), (64, RADIX_ONE_SLICE), (16, bisect("kernel")),
      (16, bisect("fused", 64)), (64, bisect("xla"))],
-)  # bisect chunk 64: the row spans 5 chunks and each pass re-reads it from memory; row_plan False: every split program plans
+)  # bisect chunk 64: the row spans 5 chunks and each pass re-reads it from memory; row_plan True: planned once a row
 def test_topk_kernel_equals_lax_top_k_with_ties(k, tuning):
     scores = tied_scores()
     expected = np.asarray(topk_of(scores, k, "reference"))
@@ -146,10 +146,10 @@ def test_digit_is_monotone_in_the_score():
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.standard_normal(4000) * 10.0 ** rng.integers(-9, 9, 4000), [0.0, -0.0, np.inf, 7e4, -7e4, 1e-30, -1e-30, np.nan]])
     x = np.sort(x.astype(np.float32))  # NaN last, as the keys rank it
-    digits = np.asarray(topk.pallas_triton._digit(jnp.asarray(x)))
+    digits = np.asarray(common.score_digit(jnp.asarray(x)))
     assert np.all(np.diff(digits) >= 0) and digits.min() >= 0 and digits.max() < topk.pallas_triton.DIGITS
-    assert topk.pallas_triton._digit(jnp.float32(-0.0)) == topk.pallas_triton._digit(jnp.float32(0.0))
-    assert len(np.unique(np.asarray(topk.pallas_triton._digit(jnp.asarray(rng.standard_normal(4096), jnp.float32))))) > 40
+    assert common.score_digit(jnp.float32(-0.0)) == common.score_digit(jnp.float32(0.0))
+    assert len(np.unique(np.asarray(common.score_digit(jnp.asarray(rng.standard_normal(4096), jnp.float32))))) > 40
 
 
 def test_reference_ties_minus_zero_with_zero():

@@ -69,7 +69,7 @@ VARIANTS = [
     {"keys_major": True, "block_c": 256, "blocks_per_program": 8, "num_warps": 8, "num_stages": 3},
     {"keys_major": True, "block_c": 128, "blocks_per_program": 8, "num_warps": 8, "num_stages": 3},
 ]
-TOPK_VARIANTS = [{}, {"method": "radix"}, {"method": "radix", "row_plan": False}, {"method": "bisect"}]  # row_plan False: the 2026-12-01 radix
+TOPK_VARIANTS = [{}, {"method": "radix", "row_plan": True}, {"method": "radix", "row_plan": False}, {"method": "bisect"}]  # planned once a row, or in every program
 SMOKE_VARIANTS = [{}, {"keys_major": True, "block_c": 32, "blocks_per_program": 2}]
 
 

@@ -178,6 +178,7 @@ CASES = {
     "topk_radix/50x40960": lambda: _topk(50, 40960, method="radix"),
     "topk_radix/9x131072": lambda: _topk(9, 131072, method="radix"),
     "topk_radix/9x131072_inline_plan": lambda: _topk(9, 131072, method="radix", row_plan=False),
+    "topk_radix/50x40960_row_plan": lambda: _topk(50, 40960, method="radix", row_plan=True),
     "topk_bisect/47x32768": lambda: _topk(47, 32768, method="bisect"),
     "swap_in_plan/R1": lambda: _plan(1),
     "swap_in_plan/R50": lambda: _plan(50),

@@ -11,7 +11,6 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.indexer_scores.base import MASKED, check_inputs, is_fp8, operand_dtype
-from pallas_kernels.topk.pallas_triton import DIGITS, digit_counts, store_counts
 
 
 def _scores_kernel(
@@ -68,7 +67,7 @@ def _scores_kernel(
         in_row = c < C
         scores = jnp.where(allowed, scores, MASKED)  # f32[block_c]: what is stored
         common.scatter(out_ref, (i, common.safe_index(c, in_row, C)), scores, in_row)
-        return carry + digit_counts(scores) if histogram else carry  # counts f32[16, 16]: the stored values, masked ones not counted
+        return carry + common.digit_counts(scores) if histogram else carry  # counts f32[16, 16]: the stored values, masked ones not counted
 
     counts = jnp.zeros((16, 16), jnp.float32) if histogram else 0
     if blocks_per_program == 1:
@@ -76,7 +75,7 @@ def _scores_kernel(
     else:  # q and w loaded once; Triton pipelines the key loads over num_stages
         counts = jax.lax.fori_loop(0, blocks_per_program, block, counts)
     if histogram:
-        store_counts(hist_ref[0], (i, program), counts, interpret)
+        common.store_digit_counts(hist_ref[0], (i, program), counts, interpret)
 
 
 def default_blocking(b: int, C: int, fp8: bool) -> tuple[int, int, bool]:
@@ -172,7 +171,7 @@ def index_scores_masked_pallas(
     programs = pl.cdiv(C, block_c * blocks_per_program)
     out_shape = [jax.ShapeDtypeStruct((b, C), jnp.float32)]
     if histogram:
-        out_shape.append(jax.ShapeDtypeStruct((b, programs, DIGITS), jnp.int32))
+        out_shape.append(jax.ShapeDtypeStruct((b, programs, common.DIGITS), jnp.int32))
     out = pl.pallas_call(
         kernel,
         out_shape=out_shape,

@@ -11,20 +11,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
-from pallas_kernels.common import check_rank
+from pallas_kernels.common import DIGITS, INVALID, check_rank
 
-INVALID = np.iinfo(np.int32).min  # the key of a masked position (below every real score's key)
-_NEG_INF_KEY = int(np.int32(np.uint32(0xFF800000).view(np.int32)) ^ 0x7FFFFFFF)  # key(-inf)
 _POS_INF_KEY = 0x7F800000  # key(+inf); larger keys are NaNs
-
-
-def _sort_keys(x: jax.Array) -> jax.Array:
-    """f32[n] -> i32[n]: signed ints in the floats' order (-0 = +0, NaN above +inf); -inf (and
-    -NaN) -> INVALID."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: flip the magnitude bits
-    key = jnp.where(key == -1, 0, key)  # -0.0 (key -1) ties with +0.0, as on the GPU
-    return jnp.where(key > _NEG_INF_KEY, key, INVALID)
 
 
 def _count(mask: jax.Array) -> jax.Array:
@@ -79,18 +68,6 @@ def _bitonic_sort_descending(keys, pos):
     return keys, pos
 
 
-def _span(leading, start, size: int, length: int, interpret: bool) -> tuple:
-    """Index of ref[*leading, start : start + size] (a last axis of `length`; lanes past it must
-    be masked). leading: an index or a tuple of them. The Triton lowering takes a contiguous
-    slice (vectorised, coalesced accesses); the interpreter an index array whose lanes past the
-    end point one past it (common.py)."""
-    leading = leading if isinstance(leading, tuple) else (leading,)
-    if interpret:
-        lanes = start + jnp.arange(size, dtype=jnp.int32)
-        return (*leading, jnp.minimum(lanes, length))
-    return (*leading, pl.ds(start, size))
-
-
 def _largest_threshold(count_ge, lo, hi, need):
     """The largest t in [lo, hi] with count_ge(t) >= need, by bisection on the key's integer
     range (count_ge(lo) >= need must hold); it stops early once exactly `need` keys are >= mid."""
@@ -127,7 +104,7 @@ def _select_kernel(
 
     def load(ci):  # keys i32[chunk] of chunk ci; past C: INVALID
         c = ci * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        return _sort_keys(common.gather(scores_ref, _span(r, ci * chunk, chunk, C, interpret), c < C, -jnp.inf))
+        return common.sort_keys(common.gather(scores_ref, common.span(r, ci * chunk, chunk, C, interpret), c < C, -jnp.inf))
 
     resident = load(0) if n_chunks == 1 else None  # the whole row in registers
 
@@ -142,7 +119,7 @@ def _select_kernel(
         return n_valid + _count(keys != INVALID), jnp.maximum(top, jnp.max(keys))
 
     n_valid, top = over_row(stats, (jnp.int32(0), jnp.int32(INVALID)))
-    lo = jnp.int32(_NEG_INF_KEY + 1)
+    lo = jnp.int32(common.NEG_INF_KEY + 1)
     hi = jnp.where(n_valid > k, top, lo)  # K or fewer valid keys: keep them all (T = lo)
 
     count_ge = lambda t: over_row(lambda n, keys, _: n + _count(keys >= t), jnp.int32(0))  # noqa: E731
@@ -181,8 +158,8 @@ def _select_kernel(
 
     # 4. Order the K kept pairs and write their positions.
     common.barrier(interpret)
-    keys = common.gather(kept_keys_ref, _span(r, 0, P, P, interpret), filled, INVALID)  # i32[P]
-    pos = common.gather(kept_pos_ref, _span(r, 0, P, P, interpret), filled, 0)
+    keys = common.gather(kept_keys_ref, common.span(r, 0, P, P, interpret), filled, INVALID)  # i32[P]
+    pos = common.gather(kept_pos_ref, common.span(r, 0, P, P, interpret), filled, 0)
     _write_ordered(out_ref, r, keys, jnp.where(filled, pos, C + lanes), k, interpret)
 
 
@@ -191,7 +168,7 @@ def _write_ordered(out_ref, r, keys, pos, k: int, interpret: bool):
     keys, pos = _bitonic_sort_descending(keys, pos)
     ok = (keys != INVALID) & (keys <= _POS_INF_KEY)  # masked and NaN scores -> -1
     lanes = jnp.arange(keys.shape[0], dtype=jnp.int32)
-    common.scatter(out_ref, _span(r, 0, keys.shape[0], k, interpret), jnp.where(ok, pos, -1), lanes < k)
+    common.scatter(out_ref, common.span(r, 0, keys.shape[0], k, interpret), jnp.where(ok, pos, -1), lanes < k)
 
 
 def _order_kernel(kept_keys_ref, kept_pos_ref, out_ref, *, k: int, interpret: bool):
@@ -199,8 +176,8 @@ def _order_kernel(kept_keys_ref, kept_pos_ref, out_ref, *, k: int, interpret: bo
     r = pl.program_id(0)
     P = kept_keys_ref.shape[1]
     every = jnp.ones((P,), jnp.bool_)
-    keys = common.gather(kept_keys_ref, _span(r, 0, P, P, interpret), every, INVALID)  # i32[P]
-    pos = common.gather(kept_pos_ref, _span(r, 0, P, P, interpret), every, 0)
+    keys = common.gather(kept_keys_ref, common.span(r, 0, P, P, interpret), every, INVALID)  # i32[P]
+    pos = common.gather(kept_pos_ref, common.span(r, 0, P, P, interpret), every, 0)
     _write_ordered(out_ref, r, keys, pos, k, interpret)
 
 
@@ -266,52 +243,12 @@ def _topk_bisect(scores, k: int, *, chunk=32768, num_warps=16, order="xla", orde
     )(kept_keys, kept_pos)
 
 
-DIGITS = 256  # histogram buckets: an 8-bit digit
-_HALF = 16  # a digit's two 4-bit halves: a [16, L] x [L, 16] one-hot product counts 256 buckets
 _MAX_KEY = np.iinfo(np.int32).max  # ~INVALID: the stored (inverted) key of a padding entry
-
-
-def _digit(x: jax.Array) -> jax.Array:
-    """f32[n] -> i32[n] in [0, 256): the top 8 bits of the score's fp16 order key (sign, 5
-    exponent bits, 2 mantissa bits). Monotone in the score (rounding to fp16 is), -0 = +0, and
-    NaN, +inf and scores past fp16's range in the top buckets: the kept set depends on the exact
-    keys only, the digit only decides which scores need them."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float16), jnp.int16).astype(jnp.int32)  # sign-extended
-    key = bits ^ ((bits >> 15) & 0x7FFF)  # i32 in [-32768, 32767], fp16 order
-    key = jnp.where(key == -1, 0, key)  # fp16 -0.0 (tiny negatives round to it) ties with +0
-    return (key >> 8) + 128
 
 
 def _reported(keys: jax.Array, pos: jax.Array) -> jax.Array:
     """The position a kept key reports: -1 for a NaN score (select_topk's), else its own."""
     return jnp.where(keys <= _POS_INF_KEY, pos, -1)
-
-
-def _onehot_dtypes(onehot: str):
-    """(one-hot operand, accumulator) dtypes: bf16 one-hots accumulate in f32 (exact below 2**24),
-    int8 ones in i32 (half the bytes through shared memory)."""
-    return (jnp.int8, jnp.int32) if onehot == "int8" else (jnp.bfloat16, jnp.float32)
-
-
-def digit_counts(x: jax.Array, onehot: str = "bfloat16") -> jax.Array:
-    """Scores f32[n] -> the valid ones' digit counts [16, 16] ([high half, low half] of the
-    digit; f32 or i32 by `onehot`, exact). Counted on the tensor cores: one-hot [16, n] (high
-    half) x [16, n]^T (low half); a compare-and-sum over 256 buckets would cost 256 operations
-    per score instead of 64. Masked (-inf) scores are not counted. Shared by the histogram
-    kernel and the indexer's scoring kernel (pallas_kernels/indexer_scores, histogram=True)."""
-    operand, acc = _onehot_dtypes(onehot)
-    half = jnp.arange(_HALF, dtype=jnp.int32)[:, None]  # i32[16, 1]
-    valid = (_sort_keys(x) != INVALID)[None, :]  # bool[1, n]
-    digit = _digit(x)[None, :]  # i32[1, n]
-    high = (((digit >> 4) == half) & valid).astype(operand)  # [16, n]
-    low = ((digit & 15) == half).astype(operand)  # [16, n]
-    return jax.lax.dot_general(high, low, (((1,), (1,)), ((), ())), preferred_element_type=acc)
-
-
-def store_counts(hist_ref, index: tuple, counts: jax.Array, interpret: bool) -> None:
-    """Writes digit_counts' [16, 16] as row hist_ref[*index, :N] (i32)."""
-    lanes = jnp.arange(DIGITS, dtype=jnp.int32)
-    common.scatter(hist_ref, _span(index, 0, DIGITS, DIGITS, interpret), counts.astype(jnp.int32).reshape(DIGITS), lanes < DIGITS)
 
 
 def _histogram_kernel(scores_ref, hist_ref, *, slice_len: int, sub: int, onehot: str, interpret: bool):
@@ -323,11 +260,11 @@ def _histogram_kernel(scores_ref, hist_ref, *, slice_len: int, sub: int, onehot:
     def body(j, counts):  # counts [16, 16]: [high half, low half] of the digit
         start = s * slice_len + j * sub
         c = start + jnp.arange(sub, dtype=jnp.int32)
-        x = common.gather(scores_ref, _span(r, start, sub, C, interpret), c < C, -jnp.inf)  # f32[sub]; past C: not counted
-        return counts + digit_counts(x, onehot)
+        x = common.gather(scores_ref, common.span(r, start, sub, C, interpret), c < C, -jnp.inf)  # f32[sub]; past C: not counted
+        return counts + common.digit_counts(x, onehot)
 
-    counts = jax.lax.fori_loop(0, slice_len // sub, body, jnp.zeros((_HALF, _HALF), _onehot_dtypes(onehot)[1]))
-    store_counts(hist_ref, (r, s), counts, interpret)
+    counts = jax.lax.fori_loop(0, slice_len // sub, body, jnp.zeros((common.DIGIT_HALF, common.DIGIT_HALF), common.onehot_dtypes(onehot)[1]))
+    common.store_digit_counts(hist_ref, (r, s), counts, interpret)
 
 
 def _row_histogram(hist_ref, r, interpret: bool) -> jax.Array:
@@ -407,8 +344,8 @@ def _split_kernel(
         sure_seen, cand_seen = carry  # kept / candidate scores before this chunk, in the row
         start = s * slice_len + j * chunk
         c = start + jnp.arange(chunk, dtype=jnp.int32)
-        x = common.gather(scores_ref, _span(r, start, chunk, C, interpret), c < C, -jnp.inf)  # f32[chunk]
-        keys, digit = _sort_keys(x), _digit(x)  # i32[chunk] each
+        x = common.gather(scores_ref, common.span(r, start, chunk, C, interpret), c < C, -jnp.inf)  # f32[chunk]
+        keys, digit = common.sort_keys(x), common.score_digit(x)  # i32[chunk] each
         valid = keys != INVALID
         sure, cand = valid & (digit > d), valid & (digit == d)
         # one cumsum ranks both kinds: sure in the low 16 bits, candidates in the high ones
@@ -444,7 +381,7 @@ def _resolve_kernel(
 
     def load(ref, ci, other):  # chunk ci of row r's candidates, i32[chunk]; `other` past n_cand
         c = ci * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        return common.gather(ref, _span(r, ci * chunk, chunk, C, interpret), c < n_cand, other)
+        return common.gather(ref, common.span(r, ci * chunk, chunk, C, interpret), c < n_cand, other)
 
     first = load(cand_keys_ref, 0, INVALID)  # held in registers: usually every candidate
 
@@ -481,14 +418,21 @@ def _resolve_kernel(
     common.scatter(kept_pos_ref, (r, common.safe_index(lanes, pad, K)), jnp.full(lanes.shape, -1, jnp.int32), pad)
 
 
+# Slices from which the radix top-k plans once per row (row_plan=None): a split program loading
+# the whole [S, 256] histogram used 255 registers at 64 slices (9 x 131,072) and the same 154 as
+# without it at 20 (50 x 40,960), by benchmarks/probes/kernel_resources.py (pip Triton 3.6, sm_90).
+ROW_PLAN_MIN_SLICES = 32
+
+
 def _topk_radix(
-    scores, k: int, *, hist=None, row_plan=True, slice_len=2048, sub=512, onehot="bfloat16", split_chunk=None, chunk=4096, hist_warps=4,
+    scores, k: int, *, hist=None, row_plan=None, slice_len=2048, sub=512, onehot="bfloat16", split_chunk=None, chunk=4096, hist_warps=4,
     plan_warps=8, split_warps=4, resolve_warps=8, stop_after=None,
 ):  # fmt: skip
     """method="radix" (module docstring). row_plan: the threshold digit and each slice's offsets
     computed once per row by a kernel of their own (step 2a), rather than by every split program
-    and the resolve from the whole histogram (False: the 2026-12-01 kernels; kept for the GPU's
-    A/B: not yet timed there). hist: i32[b, S, N], step 1's histograms made already
+    and the resolve from the whole histogram (False: the 2026-12-01 kernels). None: from
+    ROW_PLAN_MIN_SLICES slices on, where loading the histogram costs a split program its
+    registers (estimated offline; not yet timed on the GPU). hist: i32[b, S, N], step 1's histograms made already
     (the indexer's scoring kernel with histogram=True) over slices of `slice_len` scores: the
     histogram kernel is then skipped. slice_len: scores per histogram / split program (a
     power of two); sub: scores per one-hot product, onehot its dtype ("bfloat16" or "int8");
@@ -533,7 +477,7 @@ def _topk_radix(
     if stop_after == "histogram":
         return hist
     plan = (hist,)
-    if row_plan:
+    if row_plan or (row_plan is None and S >= ROW_PLAN_MIN_SLICES):
         plan = pl.pallas_call(
             functools.partial(_row_plan_kernel, k=k, interpret=interpret),
             out_shape=[jax.ShapeDtypeStruct((b, 4), i32), jax.ShapeDtypeStruct((b, S), i32), jax.ShapeDtypeStruct((b, S), i32)],
