@@ -69,7 +69,7 @@ def _scores_kernel(
         common.scatter(out_ref, (i, common.safe_index(c, in_row, C)), scores, in_row)
         return carry + common.digit_counts(scores) if histogram else carry  # counts f32[16, 16]: the stored values, masked ones not counted
 
-    counts = jnp.zeros((16, 16), jnp.float32) if histogram else 0
+    counts = jnp.zeros((common.DIGIT_HALF, common.DIGIT_HALF), jnp.float32) if histogram else 0  # f32[16, 16]
     if blocks_per_program == 1:
         counts = block(0, counts)
     else:  # q and w loaded once; Triton pipelines the key loads over num_stages
@@ -97,8 +97,8 @@ def default_blocking(b: int, C: int, fp8: bool) -> tuple[int, int, bool]:
 
 
 # Scores per program when the scoring kernel also counts the top-k's histogram (histogram=True):
-# each program's counts are one row of the radix top-k's slice histograms, which its split
-# kernel reads whole for every slice; longer programs keep that read as today's (2048-score slices).
+# each program's counts are one slice of the radix top-k's histograms, the slices its own
+# histogram kernel counts (2048 scores); shorter programs would multiply the slices its plan reads.
 HISTOGRAM_SPAN = 2048
 
 
