@@ -7,7 +7,7 @@ set -uo pipefail
 OUT=${OUT:-outputs/attention}
 mkdir -p "$OUT"
 export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-FP8_TUNINGS=${FP8_TUNINGS:-'[{"fp8_form": "planes"}, {"fp8_form": "interleave"}, {"fp8_form": "dequantize_first", "block_h": 64, "block_k": 64, "num_stages": 4}]'}
+FP8_TUNINGS=${FP8_TUNINGS:-'[{"fp8_form": "planes"}, {"fp8_form": "interleave"}, {"fp8_form": "dequantize_first", "block_h": 64, "block_k": 64, "num_stages": 4}, {"fp8_form": "dequantize_kernel"}]'}
 BF16_TUNINGS=${BF16_TUNINGS:-'[{"num_stages": 2}, {"num_stages": 4}]'}
 timeout ${TEST_TIMEOUT:-120} python3 -m pytest -q -n 0 -p no:cacheprovider -W ignore --tb=short \
   tests/test_attention_layer.py -k "fp8" 2>&1 | tee "$OUT/attention_tests.log" | tail -8

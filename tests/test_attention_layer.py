@@ -619,6 +619,28 @@ def test_fp8_attention_kernel_equals_reference(query_dtype, tolerance, fp8_form)
     np.testing.assert_allclose(ref, dense_reference(q, deq, slots), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("query_dtype", [jnp.float32, jnp.bfloat16])
+def test_dequantizing_kernel_makes_the_rows_xla_makes(query_dtype):
+    """fp8_form "dequantize_kernel" (a Pallas kernel writes the dequantised rows) attends over the
+    same values as "dequantize_first" (XLA's fusion does): the outputs are equal bit for bit,
+    with repeats, empty entries and NaN words in the slots nothing selects."""
+    rng = np.random.default_rng(11)
+    values = rng.standard_normal((L, R, 24, W)).astype(np.float32)
+    values[..., :LATENT] *= np.exp(rng.uniform(-3, 3, (L, R, 24, 1))).astype(np.float32)
+    kv = FP8_LAYOUT.pack(jnp.asarray(values[..., :LATENT]), jnp.asarray(values[..., LATENT:]))
+    kv = kv.at[:, :, 16:].set(FP8_LAYOUT.fill_element(float("nan")))
+    slots = rng.integers(0, 16, (R, K)).astype(np.int32)
+    slots[0, 1], slots[1, 4], slots[2, 0] = -1, slots[1, 2], -1
+    query = jnp.asarray(rng.standard_normal((R, H, W)), query_dtype)
+    attend = lambda form: np.asarray(  # noqa: E731
+        sparse_mla_attention(query, kv, 1, jnp.asarray(slots), latent_dim=LATENT, sm_scale=SCALE, layout=FP8_LAYOUT,
+                             implementation="pallas", fp8_form=form)  # fmt: skip
+    )
+    first, kernel = attend("dequantize_first"), attend("dequantize_kernel")
+    assert np.all(np.isfinite(kernel)) and np.abs(kernel).max() > 0
+    np.testing.assert_array_equal(kernel, first)
+
+
 @pytest.mark.parametrize("form", FP8_FORMS)
 def test_plane_permutation_is_a_permutation_that_matches_the_packed_bytes(form):
     """Column c of the plane-ordered latent is the byte of the word the kernel reads it from:

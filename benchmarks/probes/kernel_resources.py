@@ -124,7 +124,7 @@ def compile_module(text: str, num_warps: int, num_stages: int) -> dict:
 
 # ---- the cases: one kernel entry each, at a rank's shapes --------------------------------------
 
-S = jax.ShapeDtypeStruct
+S = S_ = jax.ShapeDtypeStruct
 F8, BF16, F32, I32, U32 = jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32, jnp.int32, jnp.uint32
 
 
@@ -161,6 +161,15 @@ def _attention(R, heads, K=2048):
     return fn, (S((R, heads, 576), BF16), S((1, R, K, 576), BF16), S((), I32), S((R, K), I32))  # dequantize_first's dense rows
 
 
+def _fp8_attention(R, heads, form, K=2048, S=4096):
+    from hisparse_jax.row_layout import KVRowLayout
+    from pallas_kernels.sparse_mla_attention.pallas_triton import sparse_mla_attention_pallas
+
+    layout = KVRowLayout(512, 64, "fp8_e4m3")
+    fn = functools.partial(sparse_mla_attention_pallas, latent_dim=512, sm_scale=0.1, layout=layout, fp8_form=form)
+    return fn, (S_((R, heads, 576), BF16), S_((1, R, S, layout.width), U32), S_((), I32), S_((R, K), I32))
+
+
 def _w8a8(M, N, K):
     from pallas_kernels.grouped_matmul import fp8_matmul
 
@@ -186,6 +195,8 @@ CASES = {
     "copy_host_rows/R50_fp8": lambda: _copy(50),
     "attention/50x128_bf16": lambda: _attention(50, 128),
     "attention/128x128_bf16": lambda: _attention(128, 128),
+    "attention/50x128_fp8_dequantize_kernel": lambda: _fp8_attention(50, 128, "dequantize_kernel"),
+    "attention/50x128_fp8_interleave": lambda: _fp8_attention(50, 128, "interleave"),
     "w8a8/q_b_M50": lambda: _w8a8(50, 24576, 1536),
     "w8a8/o_proj_M50": lambda: _w8a8(50, 7168, 16384),
     "w8a8/o_proj_M12": lambda: _w8a8(12, 7168, 16384),

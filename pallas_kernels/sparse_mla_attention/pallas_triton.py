@@ -202,6 +202,65 @@ def _interleave4(p0, p1, p2, p3):
     return inner.reshape(p0.shape[0], 4 * p0.shape[1])
 
 
+def _dequantized_block(rows, latent_dim: int, group_size: int, rope_dim: int, compute_dtype) -> tuple:
+    """One block of packed fp8 rows (rows: a _RowReader over block_k selected rows) -> (latent
+    [block_k, D], rope [block_k, rope]) in compute_dtype, the values layout.unpack gives: fp8
+    bytes back in latent order (joined as bytes: the cheapest layout change), times their
+    group's scale in f32, then compute_dtype; the rope's bf16 halves as they are. A masked entry
+    reads zero words: zero values, zero scale. The three reads cover the whole stored row; every
+    read is issued before rows.write_back() (host rows die there, before any compute)."""
+    D, G = latent_dim, group_size
+    num_groups = D // G
+    scale_word, rope_word = D // 4, D // 4 + num_groups  # first scale word, first rope word
+    block_k = rows.slot.shape[0]
+    words = rows.block(0, D // 4)  # u32[block_k, D / 4]
+    scale_words = [rows.column(scale_word + g) for g in range(num_groups)]  # u32[block_k] each
+    rope_words = rows.block(rope_word, rope_dim // 2)  # u32[block_k, rope / 2]
+    rows.write_back()
+    byte_of = lambda j: ((words >> (8 * j)) & 0xFF).astype(jnp.uint8)  # noqa: E731 (u8: byte j of each word)
+    latent = _interleave4(*(byte_of(j) for j in range(4)))  # u8[block_k, D], latent order
+    latent = jax.lax.bitcast_convert_type(latent, jnp.float8_e4m3fn).astype(jnp.float32)
+    column = jnp.arange(D, dtype=jnp.int32)[None, :]  # i32[1, D]: latent column
+    scale = 0.0
+    for g, word in enumerate(scale_words):  # f32[block_k, D]: each column's group scale, by selects (no reshape)
+        scale = jnp.where(column // G == g, jax.lax.bitcast_convert_type(word, jnp.float32)[:, None], scale)
+    halves = [((rope_words >> (16 * j)) & 0xFFFF).astype(jnp.uint16) for j in range(2)]  # joined as u16, then bf16
+    rope = jnp.stack(halves, axis=-1).reshape(block_k, rope_dim)  # u16[block_k, rope], rope order
+    rope = jax.lax.bitcast_convert_type(rope, jnp.bfloat16).astype(compute_dtype)
+    return (latent * scale).astype(compute_dtype), rope
+
+
+def _dequantize_rows_kernel(
+    layer_ref,  # i32[1]
+    slots_ref,  # i32[R, K]
+    kv_ref,  # u32[L, R, S, W]: packed fp8 rows
+    out_ref,  # [1, R, K, D + rope] in compute_dtype: entry k of request r's selected rows, dequantised
+    *,
+    latent_dim: int,
+    group_size: int,
+    rope_dim: int,
+    block_k: int,
+    compute_dtype,
+    interpret: bool,
+):
+    """fp8_form "dequantize_kernel", step 1 for block kb of request r's selected rows: the
+    entries' packed rows read (16-byte loads of contiguous words), dequantised once
+    (_dequantized_block) and written as dense rows; entries with no slot read and write zeros
+    (the attention masks them)."""
+    r, kb = pl.program_id(0), pl.program_id(1)
+    K = slots_ref.shape[1]
+    k = kb * block_k + jnp.arange(block_k, dtype=jnp.int32)  # i32[block_k]
+    in_row = k < K
+    safe_k = common.safe_index(k, in_row, K)
+    slot = common.gather(slots_ref, (r, safe_k), in_row, -1)
+    rows = _RowReader(kv_ref, None, None, layer_ref[0], r, 0, slot, slot >= 0, k, K, interpret)
+    latent, rope = _dequantized_block(rows, latent_dim, group_size, rope_dim, compute_dtype)
+    for offset, values in ((0, latent), (latent_dim, rope)):
+        size = values.shape[1]
+        mask = jnp.broadcast_to(in_row[:, None], (block_k, size))
+        common.scatter(out_ref, common.row_block((0, r), safe_k, offset, size, interpret), values, mask)
+
+
 def _fp8_attention_kernel(
     layer_ref,  # i32[1]
     query_ref,  # [R, H, D + rope]
@@ -223,8 +282,6 @@ def _fp8_attention_kernel(
     r, head_block = pl.program_id(0), pl.program_id(1)
     H, K = query_ref.shape[1], slots_ref.shape[1]
     D, G = latent_dim, group_size
-    num_groups = D // G
-    scale_word, rope_word = D // 4, D // 4 + num_groups  # first scale word, first rope word
     layer = layer_ref[0]
     precision = _dot_precision(compute_dtype)
     safe_heads, head_ok = common.head_block(head_block * block_h, block_h, H)
@@ -234,10 +291,6 @@ def _fp8_attention_kernel(
         return common.gather(query_ref, block, jnp.broadcast_to(head_ok[:, None], (block_h, size)), 0).astype(compute_dtype)
 
     q_latent, q_rope = load_query(0, D), load_query(D, rope_dim)  # [block_h, D], [block_h, rope]
-    column = jnp.arange(D, dtype=jnp.int32)[None, :]  # i32[1, D]: latent column
-
-    def byte_of(words, j):  # u8: byte j of each word
-        return ((words >> (8 * j)) & 0xFF).astype(jnp.uint8)
 
     def dot_t(a, b):  # a [M, n] . b [N, n]^T -> f32[M, N]
         return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
@@ -248,24 +301,7 @@ def _fp8_attention_kernel(
         slot = common.gather(slots_ref, (r, common.safe_index(k, k < K, K)), k < K, -1)
         valid = slot >= 0
         rows = _RowReader(kv_ref, host_refs, kv_out_ref, layer, r, head_block, slot, valid, k, K, interpret)
-
-        # Dequantise: fp8 bytes back in latent order (joined as bytes: the cheapest layout
-        # change), times their group's scale in f32, then the matmul dtype. A masked entry reads
-        # zero words: zero values, zero scale. The three reads cover the whole stored row.
-        words = rows.block(0, D // 4)  # u32[block_k, D / 4]
-        scale_words = [rows.column(scale_word + g) for g in range(num_groups)]  # u32[block_k] each
-        rope_words = rows.block(rope_word, rope_dim // 2)  # u32[block_k, rope / 2]
-        rows.write_back()  # every read issued: the host rows die here, before the dots (registers)
-        latent = _interleave4(*(byte_of(words, j) for j in range(4)))  # u8[block_k, D], latent order
-        latent = jax.lax.bitcast_convert_type(latent, jnp.float8_e4m3fn).astype(jnp.float32)
-        scale = 0.0
-        for g, word in enumerate(scale_words):  # f32[block_k, D]: each column's group scale, by selects (no reshape)
-            scale = jnp.where(column // G == g, jax.lax.bitcast_convert_type(word, jnp.float32)[:, None], scale)
-        keys = (latent * scale).astype(compute_dtype)  # [block_k, D]
-        words = rope_words
-        halves = [((words >> (16 * j)) & 0xFFFF).astype(jnp.uint16) for j in range(2)]  # joined as u16, then bf16
-        rope = jnp.stack(halves, axis=-1).reshape(block_k, rope_dim)  # u16[block_k, rope], rope order
-        rope = jax.lax.bitcast_convert_type(rope, jnp.bfloat16).astype(compute_dtype)
+        keys, rope = _dequantized_block(rows, D, G, rope_dim, compute_dtype)  # [block_k, D], [block_k, rope]
         scores = (dot_t(q_latent, keys) + dot_t(q_rope, rope)) * sm_scale  # f32[block_h, block_k]
         new_max, total, rescale, weights = _online_softmax(running_max, total, scores, valid)
         acc = acc * rescale[:, None] + jax.lax.dot(
@@ -365,7 +401,7 @@ def _fp8_planes_kernel(
     _store(out_refs, r, safe_heads, head_ok, value_pieces, accs, running_max, total, num_splits, interpret)
 
 
-FP8_FORMS = ("interleave", "planes", "dequantize_first")
+FP8_FORMS = ("interleave", "planes", "dequantize_first", "dequantize_kernel")
 
 
 def plane_permutation(latent_dim: int, rope_dim: int, form: str) -> np.ndarray:
@@ -490,10 +526,10 @@ def _attention_pallas(
     W]) -> (out, kv) with the misses read from the pool and placed in kv."""
     check_inputs(query, kv, layer, slots, latent_dim, layout)
     fp8_form = fp8_form or DEFAULT_FP8_FORM
-    if is_quantized(layout) and fp8_form == "dequantize_first":
+    if is_quantized(layout) and fp8_form in ("dequantize_first", "dequantize_kernel"):
         return _dequantize_then_attend(
             query, kv, layer, slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=layout, block_h=block_h, block_k=block_k,
-            num_warps=num_warps, num_stages=num_stages, num_splits=num_splits,
+            num_warps=num_warps, num_stages=num_stages, num_splits=num_splits, in_kernel=fp8_form == "dequantize_kernel",
         )
     R, H, _ = query.shape
     shape = default_launch_shape(R, H, is_quantized(layout))
@@ -577,18 +613,44 @@ def _attention_pallas(
     return out if host is None else (out, outs[-1])
 
 
-def _dequantize_then_attend(query, kv, layer, slots, *, latent_dim, sm_scale, layout, **launch):
+# Selected rows per program of the dequantising kernel (fp8_form "dequantize_kernel"; not timed):
+# 16 rows x 4 warps hold 70 registers, 7 programs an SM, no spills, where 64 rows spilled (255
+# registers) and 32 rows x 8 warps made 3 an SM (benchmarks/probes/kernel_resources.py, estimates).
+DEQUANTIZE_BLOCK_K, DEQUANTIZE_WARPS = 16, 4
+
+
+def _dequantize_then_attend(query, kv, layer, slots, *, latent_dim, sm_scale, layout, in_kernel=False, **launch):
     """fp8_form "dequantize_first": one XLA fusion gathers each request's selected fp8 rows and
     writes them dequantised, in the query's dtype, as a dense [1, R, K, D + rope] block (once
     per request, where the kernel's forms dequantise once per head block); the plain-rows kernel
-    then attends over it. Costs the block's write and read: 2 x 1152 B per selected bf16 row."""
+    then attends over it. Costs the block's write and read: 2 x 1152 B per selected bf16 row.
+    in_kernel (fp8_form "dequantize_kernel"): the same dense block made by a Pallas kernel
+    (_dequantize_rows_kernel, the interleave form's dequantisation; the same values bit for bit)
+    where XLA's fusion moved ~2.3 TB/s at DeepSeek-V3.2's rank (4.98 ms a step at 50 running)."""
     R, K = slots.shape
     valid = slots >= 0  # bool[R, K]
-    requests = common.request_row(jnp.arange(R, dtype=jnp.int32), kv)[:, None]  # i32[R, 1]
-    rows = kv[layer, requests, jnp.where(valid, slots, 0)]  # u32[R, K, W]: one gather, no layer slice
-    latent, rope = layout.unpack(rows)  # f32[R, K, D], f32[R, K, rope]
     compute_dtype = jnp.float32 if jnp.dtype(query.dtype) == jnp.float32 else jnp.bfloat16
-    dense = jnp.concatenate([latent, rope], axis=-1).astype(compute_dtype)[None]  # [1, R, K, D + rope]
+    if in_kernel:
+        _check_fp8_kernel_sizes(layout)
+        block_k = max(16, min(DEQUANTIZE_BLOCK_K, common.next_power_of_2(K)))
+        dense = pl.pallas_call(
+            functools.partial(
+                _dequantize_rows_kernel, latent_dim=latent_dim, group_size=layout.group_size, rope_dim=layout.rope_dim,
+                block_k=block_k, compute_dtype=compute_dtype, interpret=common.interpret_mode(),
+            ),
+            out_shape=jax.ShapeDtypeStruct((1, R, K, latent_dim + layout.rope_dim), compute_dtype),
+            grid=(R, pl.cdiv(K, block_k)),
+            in_specs=[common.any_spec()] * 3,
+            out_specs=common.any_spec(),
+            compiler_params=common.triton_params(num_warps=DEQUANTIZE_WARPS, num_stages=1),
+            interpret=common.interpret_mode(),
+            name="hisparse_dequantize_rows",
+        )(jnp.reshape(layer, (1,)).astype(jnp.int32), slots, kv)  # [1, R, K, D + rope]
+    else:
+        requests = common.request_row(jnp.arange(R, dtype=jnp.int32), kv)[:, None]  # i32[R, 1]
+        rows = kv[layer, requests, jnp.where(valid, slots, 0)]  # u32[R, K, W]: one gather, no layer slice
+        latent, rope = layout.unpack(rows)  # f32[R, K, D], f32[R, K, rope]
+        dense = jnp.concatenate([latent, rope], axis=-1).astype(compute_dtype)[None]  # [1, R, K, D + rope]
     dense_slots = jnp.where(valid, jnp.arange(K, dtype=jnp.int32)[None, :], -1)  # i32[R, K]
     launch = {name: value for name, value in launch.items() if value is not None}
     return sparse_mla_attention_pallas(query, dense, jnp.int32(0), dense_slots, latent_dim=latent_dim, sm_scale=sm_scale, **launch)
