@@ -27,7 +27,7 @@ several programs per request, then an exact select inside the threshold bucket o
   4. the K kept pairs ordered by lax.sort on (~key, position): key descending, ties by the
      lower position; NaN and padding carry position -1 already.
   Step 1 can come with the scores: the indexer's scoring kernel with histogram=True counts each
-  program's digits as it writes them (digit_counts, the same one-hot product), and
+  program's digits as it writes them (common.digit_counts, the same one-hot product), and
   topk_indices_pallas(scores, k, hist=..., slice_len=...) then starts at step 2.
 method="bisect" (the 2026-12-01 kernel): one program per request row:
   1. each score becomes a signed-int key in float order (bits ^ (sign ? 0x7fffffff : 0));
