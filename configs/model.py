@@ -121,7 +121,8 @@ class DSAModelConfig:
     # activation). False: the numbers of the weights dequantised at load, the reference
     # implementation's (pallas_kernels.grouped_matmul, "fp8_activations"). Over fp8 indexer keys
     # (--kv_cache_dtype=fp8_e4m3) the indexer's queries are quantised too, one scale per (token,
-    # head), and q . k runs fp8 x fp8, as DeepSeek's inference code scores (act_quant, fp8_index).
+    # head), and q . k runs fp8 x fp8, as DeepSeek's inference code scores (act_quant, fp8_index);
+    # and in a 16-bit model MLA's value lift multiplies in that dtype (models.dsa.mla.output).
     fp8_activations: bool = False
 
     def __post_init__(self):

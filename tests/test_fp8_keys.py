@@ -318,3 +318,25 @@ def test_w8a8_scores_fp8_queries_over_fp8_keys_and_decodes_identically_with_hisp
     off = generate(runner, prompts, 6, fill_value=np.nan)
     on = generate(runner, prompts, 6, hisparse=HiSparseConfig(top_k=16, device_buffer_size=17), page_size=8, fill_value=np.nan)
     assert_hisparse_decodes_as_the_full_cache(on, off)
+
+
+def test_w8a8_lifts_the_attention_output_in_the_weights_dtype():
+    """With fp8_activations over bf16 weights the value lift multiplies bf16 operands (tensor cores)
+    and stays within bf16 rounding of the f32 lift; without it, or in an f32 model, the lift is f32."""
+
+    def lift(fp8_activations: bool, dtype):
+        config = DSAModelConfig.tiny().replace(weight_block_size=(16, 16), fp8_activations=fp8_activations)
+        attn_module = DSAForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)).layers[0].self_attn
+        _, w_uv = attn_module._kv_b()
+        attn = jnp.asarray(np.random.default_rng(0).standard_normal((3, config.num_heads, config.kv_lora_rank)), jnp.float32)
+        dots = [e for e in jax.make_jaxpr(attn_module.output)(attn).jaxpr.eqns if e.primitive.name == "dot_general"]
+        (lifted,) = [e for e in dots if tuple(w_uv.shape) in [tuple(v.aval.shape) for v in e.invars]]  # W_UV's product, not o_proj's
+        return [v.aval.dtype for v in lifted.invars], attn_module, attn
+
+    (bf16_dtypes, module, attn), (f32_dtypes, _, _) = lift(True, jnp.bfloat16), lift(False, jnp.bfloat16)
+    assert bf16_dtypes == [jnp.bfloat16, jnp.bfloat16] and f32_dtypes == [jnp.float32, jnp.float32]
+    assert lift(True, jnp.float32)[0] == [jnp.float32, jnp.float32]
+    _, w_uv = module._kv_b()
+    exact = np.asarray(jnp.einsum("tha,hva->thv", attn, w_uv.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST))
+    rounded = np.asarray(jnp.einsum("tha,hva->thv", attn.astype(jnp.bfloat16), w_uv, preferred_element_type=jnp.float32))
+    assert np.abs(rounded - exact).max() < 2**-7 * np.abs(exact).max()

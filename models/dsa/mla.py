@@ -46,6 +46,7 @@ class MLAttention(nnx.Module):
         # as whole matrices (_kv_b), not multiplied as a linear layer.
         self.kv_b_proj = Linear(A, H * (self.nope_dim + self.v_dim), dtype=dtype, rngs=rngs)  # [H*(N+V), A]
         self.o_proj = fp8_linear(H * self.v_dim, config.hidden_size)  # [D, H*V]
+        self.fp8_activations = config.fp8_activations  # w8a8: the value lift in the weights' 16-bit dtype too (output())
         full = config.indexer_types[layer] == "full"
         self.indexer = Indexer(config, dtype=dtype, rngs=rngs) if full else None
 
@@ -76,9 +77,19 @@ class MLAttention(nnx.Module):
         return latent, rope.apply_interleaved(kv[..., self.latent_dim :], cos, sin)
 
     def output(self, attn: jax.Array) -> jax.Array:
-        """attn f32[T, H, A] (softmax-weighted latents) -> [T, D] through W_UV and o_proj."""
+        """attn f32[T, H, A] (softmax-weighted latents) -> [T, D] through W_UV and o_proj.
+
+        The lift runs in float32 at full precision, except with w8a8 (fp8_activations) over
+        16-bit weights: then attn is rounded to the weights' dtype and the products accumulate in
+        f32 on the tensor cores, as DeepSeek's inference code lifts its bf16 attention output;
+        o_proj rounds its input to e4m3 right after. On the H200 the f32 lift was a CUDA-core GEMM
+        of 2.1 ms a step at DeepSeek-V3.2's 50 running, and 0.8 ms more converting W_UV to f32
+        (docs/PERFORMANCE.md, fifteenth session; the 16-bit lift not yet timed)."""
         _, w_uv = self._kv_b()
-        o = einsum("tha,hva->thv", attn, w_uv.astype(jnp.float32))  # f32[T, H, V]
+        if self.fp8_activations and jnp.dtype(w_uv.dtype).itemsize == 2:
+            o = jnp.einsum("tha,hva->thv", attn.astype(w_uv.dtype), w_uv, preferred_element_type=jnp.float32)  # f32[T, H, V]
+        else:
+            o = einsum("tha,hva->thv", attn, w_uv.astype(jnp.float32))  # f32[T, H, V]
         return self.o_proj(o.reshape(*o.shape[:-2], self.num_heads * self.v_dim))
 
 
