@@ -307,7 +307,9 @@ def build() -> Setup:
                    n_routed_experts=config.n_routed_experts, vocab_size=config.vocab_size, dtype="bfloat16",
                    kv_cache_dtype=kv_cache_dtype,
                    # w8a8 over fp8 keys: the indexer scores fp8 queries (models.dsa.indexer.Indexer.queries; since 2026-12-04)
-                   indexer_queries="fp8" if FLAGS.fp8_activations and kv_cache_dtype == "fp8_e4m3" else "model dtype"),
+                   indexer_queries="fp8" if FLAGS.fp8_activations and kv_cache_dtype == "fp8_e4m3" else "model dtype",
+                   # w8a8 in a bf16 model: MLA's value lift with bf16 operands (models.dsa.mla.MLAttention.output; since 2026-12-04)
+                   value_lift="bfloat16" if FLAGS.fp8_activations else "float32"),
         contexts=(f"SYNTHETIC: {context}-token contexts ({context - FLAGS.warm_steps - FLAGS.steps} prompt tokens of random KV"
                   " rows written straight into the host pool / the baseline's device KV, random indexer keys; no prefill)"),
         hisparse_config=json.loads(hisparse.to_json()),
@@ -640,7 +642,7 @@ def merge_from(path: str) -> None:
         other = json.load(f)
     other_setup = dict(other.get("setup", {}))
     if "model" in other_setup:  # runs before --fp8_activations / fp8 indexer queries existed ran without them
-        other_setup["model"] = {"fp8_activations": False, "indexer_queries": "model dtype", **other_setup["model"]}
+        other_setup["model"] = {"fp8_activations": False, "indexer_queries": "model dtype", "value_lift": "float32", **other_setup["model"]}
     ours = {p["mode"] for p in RESULTS["points"]}
     merged_modes = {p["mode"] for p in other.get("points", [])} - ours
     ours_setup = RESULTS["setup"]

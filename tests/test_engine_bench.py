@@ -67,7 +67,8 @@ def test_bench_serving_merges_a_run_of_the_other_engine(tmp_path):
             return json.load(f)
 
     first = run("baseline", tmp_path / "a")
-    del first["setup"]["model"]["fp8_activations"], first["setup"]["model"]["indexer_queries"]
+    for key in ("fp8_activations", "indexer_queries", "value_lift"):
+        del first["setup"]["model"][key]
     del first["setup"]["hisparse_config"]["miss_read"]
     with open(tmp_path / "old.json", "w") as f:
         json.dump(first, f)
