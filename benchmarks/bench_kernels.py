@@ -53,7 +53,7 @@ from benchmarks.helpers import log, write_json  # noqa: E402
 from benchmarks.swap_in_workload import make_workload  # noqa: E402
 from hisparse_jax import memory  # noqa: E402
 from hisparse_jax.row_layout import KVRowLayout  # noqa: E402
-from pallas_kernels import row_copy, sparse_mla_attention, swap_in  # noqa: E402
+from pallas_kernels import common, row_copy, sparse_mla_attention, swap_in  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_kernels.json", "Where to write the results JSON.")
@@ -506,7 +506,7 @@ def bench_swap_in_batch(rng, R, key, cases, sweep_copy=False):
 
 def copy_shapes():
     """Copy launch shapes timed beside the default (16 rows per item, 4 warps, 4 programs per SM)."""
-    sms = row_copy.num_sms()
+    sms = common.num_sms()
     return [
         ("32 rows, 8 warps", (("rows", 32), ("num_warps", 8))),
         ("16 rows, 8 programs per SM", (("programs", 8 * sms),)),
@@ -664,7 +664,7 @@ def main(_):
     START[0] = time.perf_counter()
     RESULTS["device"] = str(jax.devices()[0].device_kind)
     RESULTS["jax"] = jax.__version__
-    RESULTS["sms"] = row_copy.num_sms()
+    RESULTS["sms"] = common.num_sms()
     log(f"devices: {jax.devices()}  jax {jax.__version__}")
     if "check" in FLAGS.sections:
         try:

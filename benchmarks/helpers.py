@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import sys
 import traceback
 
 import numpy as np
@@ -92,6 +93,15 @@ def ep8_rank_config(released: str, *, weight_block_size=(128, 128), num_layers: 
     return config.replace(
         num_layers=num_layers, mlp_layer_types=config.mlp_layer_types[:num_layers], indexer_types=config.indexer_types[:num_layers]
     )
+
+
+def checks_exit_status(failed: list, total: int, what: str) -> int:
+    """A probe's exit status after its checks: 0 when none of `total` failed, else 1 with one
+    stderr line naming how many `what` failed and the first three of them."""
+    if not failed:
+        return 0
+    print(f"{len(failed)} of {total} {what}: {failed[:3]}", file=sys.stderr)
+    return 1
 
 
 def valid_tile(cfg, K: int, N: int):

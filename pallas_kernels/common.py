@@ -104,6 +104,11 @@ def _jitted(kernel_entry, static_argnums: tuple, static_argnames: tuple, interpr
     return jax.jit(kernel_entry, static_argnums=static_argnums, static_argnames=static_argnames)
 
 
+def num_sms() -> int:
+    """Streaming multiprocessors of the default device (132 on an H200); 2 where unknown (CPU)."""
+    return getattr(jax.devices()[0], "core_count", None) or 2
+
+
 def interpret_mode() -> bool:
     """Pallas kernels run through the CPU interpreter wherever there is no GPU."""
     return not on_gpu()

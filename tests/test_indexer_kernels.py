@@ -232,8 +232,11 @@ def test_decode_topk_fuses_the_histogram_where_asked_or_where_the_scoring_still_
 
     assert has_histogram_kernel() and not has_histogram_kernel(fused_histogram=True)
     monkeypatch.setattr(indexer, "FUSED_TOPK_HISTOGRAM", True)
+    monkeypatch.setattr(common, "num_sms", lambda: 132)  # as on the H200
     assert has_histogram_kernel()  # too small a batch
-    assert not indexer_scores.histogram_fills_the_gpu(1, 131072) and indexer_scores.histogram_fills_the_gpu(9, 131072)
+    monkeypatch.setattr(common, "num_sms", lambda: 2)  # 4 programs make two waves of 2 SMs
+    assert not has_histogram_kernel()
+    assert not indexer_scores.histogram_fills_the_gpu(1, 131072, 132) and indexer_scores.histogram_fills_the_gpu(9, 131072, 132)
 
 
 def test_the_scoring_kernel_reads_the_cache_in_place():

@@ -231,3 +231,11 @@ def test_kernel_resources_compiles_the_kernels_of_a_case(tmp_path):
     assert set(kernels) == {f"hisparse_indexer_topk_{name}" for name in ("histogram", "plan", "split", "resolve")}
     assert all(k["registers"] > 0 and k["programs_per_sm"] > 0 for k in kernels.values())
     assert kernels["hisparse_indexer_topk_split"]["registers"] < 255 and kernels["hisparse_indexer_topk_split"]["programs"] == 9 * 64
+
+
+def test_probes_exit_1_naming_what_failed(capsys):
+    from benchmarks.helpers import checks_exit_status
+
+    assert checks_exit_status([], 5, "copies differ") == 0 and capsys.readouterr().err == ""
+    assert checks_exit_status([{"case": 2}], 5, "copies differ") == 1
+    assert capsys.readouterr().err.strip() == "1 of 5 copies differ: [{'case': 2}]"

@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from benchmarks import device_timing  # noqa: E402
+from benchmarks.helpers import checks_exit_status  # noqa: E402
 from hisparse_jax import memory  # noqa: E402
 from hisparse_jax.row_layout import KVRowLayout  # noqa: E402
 from pallas_kernels.row_copy import copy_host_rows_to_buffer_pallas, write_rows_to_host  # noqa: E402
@@ -152,11 +153,7 @@ def main(_):
         del c
         save()
     save()
-    bad = [r for r in results if not r["exact"]]
-    if bad:
-        print(f"{len(bad)} of {len(results)} copies differ from the expected buffer", file=sys.stderr)
-        return 1
-    return 0
+    return checks_exit_status([r for r in results if not r["exact"]], len(results), "copies differ from the expected buffer")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks import device_timing  # noqa: E402
-from benchmarks.helpers import HBM_BYTES_PER_S, ep8_rank_config, valid_tile  # noqa: E402
+from benchmarks.helpers import HBM_BYTES_PER_S, checks_exit_status, ep8_rank_config, valid_tile  # noqa: E402
 from configs.model import DSAModelConfig  # noqa: E402
 from models.common import fp8  # noqa: E402
 from models.common.layers import Linear  # noqa: E402
@@ -182,10 +182,7 @@ def main(_):
     # Every tile must compute what the current one does (the same K-block promotions) and the
     # reference within the activations' e4m3 rounding.
     bad = [r for r in results if r.get("equal_to_current") is False or r.get("max_rel_err_vs_reference", 0) > 0.1]
-    if bad:
-        print(f"{len(bad)} outputs differ from the current tile's or the reference: {bad[:3]}", file=sys.stderr)
-        return 1
-    return 0
+    return checks_exit_status(bad, len(results), "outputs differ from the current tile's or the reference")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from benchmarks import indexer_device_bench as bench  # noqa: E402
+from benchmarks.helpers import checks_exit_status  # noqa: E402
 from models.dsa.indexer import decode_topk, quantize_keys, quantize_queries  # noqa: E402
 
 flags.DEFINE_string("out", "indexer_fp8_tiling.json", "Where the JSON goes.")
@@ -218,11 +219,11 @@ def main(argv):
             print("    selection", v["queries"], "fused" if v["fused"] else "unfused", v.get("span_us"), "exact" if v.get("exact") is True else v.get("exact"), flush=True)
         with open(FLAGS.out, "w") as f:
             json.dump(results, f, indent=1)
-    bad = [v for s in results["sizes"] for v in s.get("variants", []) if v.get("checked") is not True]
-    bad += [v for s in results["sizes"] for v in s.get("topk", []) + s.get("selection", []) if v.get("exact") is not True]
-    bad += [s for s in results["sizes"] if "error" in s]
-    print(f"wrote {FLAGS.out}; {len(bad)} variant(s) failed a check or errored")
-    return 1 if bad else 0
+    checked = [(v, v.get("checked")) for s in results["sizes"] for v in s.get("variants", [])]
+    checked += [(v, v.get("exact")) for s in results["sizes"] for v in s.get("topk", []) + s.get("selection", [])]
+    bad = [v for v, ok in checked if ok is not True] + [s for s in results["sizes"] if "error" in s]
+    print(f"wrote {FLAGS.out}")
+    return checks_exit_status(bad, len(checked) + len(results["sizes"]), "variants or sizes failed a check or errored")
 
 
 if __name__ == "__main__":

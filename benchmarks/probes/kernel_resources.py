@@ -88,17 +88,15 @@ def lower(fn, *args) -> tuple[str, dict]:
     mesh = jax.sharding.AbstractMesh(
         (1,), ("x",), abstract_device=jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=SMS, platform="gpu")
     )
-    from pallas_kernels.row_copy import pallas_triton as row_copy
-
     registration.lowering.lower_jaxpr_to_triton_module = keep
-    interpret, sms = common.interpret_mode, row_copy.num_sms
-    common.interpret_mode, row_copy.num_sms = (lambda: False), (lambda: SMS)  # the H200's, not this machine's
+    interpret, sms = common.interpret_mode, common.num_sms
+    common.interpret_mode, common.num_sms = (lambda: False), (lambda: SMS)  # the H200's, not this machine's
     try:
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     finally:
         registration.lowering.lower_jaxpr_to_triton_module = original
-        common.interpret_mode, row_copy.num_sms = interpret, sms
+        common.interpret_mode, common.num_sms = interpret, sms
     return text, modules
 
 
@@ -124,7 +122,7 @@ def compile_module(text: str, num_warps: int, num_stages: int) -> dict:
 
 # ---- the cases: one kernel entry each, at a rank's shapes --------------------------------------
 
-S = S_ = jax.ShapeDtypeStruct
+S = jax.ShapeDtypeStruct
 F8, BF16, F32, I32, U32 = jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32, jnp.int32, jnp.uint32
 
 
@@ -161,13 +159,13 @@ def _attention(R, heads, K=2048):
     return fn, (S((R, heads, 576), BF16), S((1, R, K, 576), BF16), S((), I32), S((R, K), I32))  # dequantize_first's dense rows
 
 
-def _fp8_attention(R, heads, form, K=2048, S=4096):
+def _fp8_attention(R, heads, form, K=2048, slots=4096):
     from hisparse_jax.row_layout import KVRowLayout
     from pallas_kernels.sparse_mla_attention.pallas_triton import sparse_mla_attention_pallas
 
     layout = KVRowLayout(512, 64, "fp8_e4m3")
     fn = functools.partial(sparse_mla_attention_pallas, latent_dim=512, sm_scale=0.1, layout=layout, fp8_form=form)
-    return fn, (S_((R, heads, 576), BF16), S_((1, R, S, layout.width), U32), S_((), I32), S_((R, K), I32))
+    return fn, (S((R, heads, 576), BF16), S((1, R, slots, layout.width), U32), S((), I32), S((R, K), I32))
 
 
 def _w8a8(M, N, K):

@@ -190,10 +190,10 @@ def decode_topk(
     """
     if implementation == "tpu":
         implementation = "reference"  # no TPU indexer kernel: XLA's path on TPU
+    b, C = q.shape[0], index_keys.shape[2]
     if fused_histogram is None:
-        fused_histogram = FUSED_TOPK_HISTOGRAM and indexer_scores.histogram_fills_the_gpu(q.shape[0], index_keys.shape[2])
+        fused_histogram = FUSED_TOPK_HISTOGRAM and indexer_scores.histogram_fills_the_gpu(b, C)
     if fused_histogram and common.resolve_gpu_implementation(implementation, "the indexer") == "pallas":
-        b, C = q.shape[0], index_keys.shape[2]
         scores, hist = indexer_scores.index_scores_masked(
             q, weights, index_keys, key_scales, j, positions, implementation="pallas", histogram=True
         )  # f32[b, C], i32[b, S, 256]

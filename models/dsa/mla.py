@@ -82,9 +82,10 @@ class MLAttention(nnx.Module):
         The lift runs in float32 at full precision, except with w8a8 (fp8_activations) over
         16-bit weights: then attn is rounded to the weights' dtype and the products accumulate in
         f32 on the tensor cores, as DeepSeek's inference code lifts its bf16 attention output;
-        o_proj rounds its input to e4m3 right after. On the H200 the f32 lift was a CUDA-core GEMM
-        of 2.1 ms a step at DeepSeek-V3.2's 50 running, and 0.8 ms more converting W_UV to f32
-        (docs/PERFORMANCE.md, fifteenth session; the 16-bit lift not yet timed)."""
+        o_proj rounds its input to e4m3 right after. On the H200 the f32 lift was a full-precision
+        f32 GEMM (cuBLAS sm80_xmma_gemm_f32f32...) of 2.1 ms a step at DeepSeek-V3.2's 50 running,
+        and 0.8 ms more converting W_UV to f32 (docs/PERFORMANCE.md, fifteenth session; the 16-bit
+        lift not yet timed)."""
         _, w_uv = self._kv_b()
         if self.fp8_activations and jnp.dtype(w_uv.dtype).itemsize == 2:
             o = jnp.einsum("tha,hva->thv", attn.astype(w_uv.dtype), w_uv, preferred_element_type=jnp.float32)  # f32[T, H, V]

@@ -109,11 +109,11 @@ def histogram_blocking(b: int, C: int, fp8: bool) -> tuple[int, int, bool]:
     return block_c, max(blocks, HISTOGRAM_SPAN // block_c), keys_major
 
 
-def histogram_fills_the_gpu(b: int, C: int, num_sms: int = 132) -> bool:
+def histogram_fills_the_gpu(b: int, C: int, num_sms: int | None = None) -> bool:
     """Whether b requests of C keys in programs of HISTOGRAM_SPAN keys still make two waves on
-    the GPU (an estimate, not measured): one request of 131,072 keys makes 64 programs, where
-    the unfused scoring runs 1,024."""
-    return b * pl.cdiv(C, HISTOGRAM_SPAN) >= 2 * num_sms
+    num_sms SMs (None: the device's, common.num_sms; an estimate, not measured): on the H200 one
+    request of 131,072 keys makes 64 programs, where the unfused scoring runs 1,024."""
+    return b * pl.cdiv(C, HISTOGRAM_SPAN) >= 2 * (num_sms or common.num_sms())
 
 
 def histogram_span(b: int, C: int, fp8: bool) -> int:

@@ -8,12 +8,12 @@ asked for). Files here: api.py, base.py, reference.py, pallas_triton.py, pallas_
 
 from pallas_kernels.row_copy.api import copy_host_rows_to_buffer, gather_host_rows, write_all_layer_rows_to_host, write_rows_to_host
 from pallas_kernels.row_copy.base import DEFAULT_ROWS_PER_PROGRAM, check_copy_inputs, check_write_all_layers_inputs, check_write_inputs
+from pallas_kernels.common import num_sms
 from pallas_kernels.row_copy.pallas_triton import (
     PROGRAMS_PER_SM,
     copy_grid_size,
     copy_host_rows_to_buffer_pallas,
     gather_host_rows_pallas,
-    num_sms,
     write_all_layer_rows_to_host_pallas,
     write_rows_to_host_pallas,
 )

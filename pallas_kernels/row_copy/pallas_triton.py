@@ -91,16 +91,11 @@ def _copy_host_rows_kernel(
     jax.lax.fori_loop(0, my_items, copy_item, 0)
 
 
-def num_sms() -> int:
-    """Streaming multiprocessors of the default device (132 on an H200); 2 where unknown (CPU)."""
-    return getattr(jax.devices()[0], "core_count", None) or 2
-
-
 def copy_grid_size(R: int, K: int, rows: int, programs: int | None = None) -> int:
     """Programs of the copy kernel: `programs` (default PROGRAMS_PER_SM per SM), never more than
     the largest possible number of work items (R x ceil(K / rows))."""
     if programs is None:
-        programs = PROGRAMS_PER_SM * num_sms()
+        programs = PROGRAMS_PER_SM * common.num_sms()
     return max(1, min(programs, R * pl.cdiv(K, rows)))
 
 
