@@ -24,6 +24,7 @@ The Triton lowering and the CPU interpreter disagree in two places this module h
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,55 @@ except ImportError:  # a JAX without the TPU interpreter: nothing to keep stable
     pass
 
 IMPLEMENTATIONS = ("reference", "pallas", "tpu")
+
+# fp8 x fp8 dots on Hopper's fp8 tensor cores (wgmma). Pallas' Triton lowering builds every tt.dot
+# with maxNumImpreciseAcc = 0, and Triton gives an fp8 dot with an f32 result wgmma only when that
+# number is >= 32 (AccelerateMatmul's supportMMA): at 0 it widens both operands to f16 in
+# registers and runs f16 mma.sync, so "w8a8" and the indexer's fp8 queries never reached the fp8
+# units (the PTX of pip Triton 3.6 for sm_90, benchmarks/probes/kernel_resources.py, 2026-12-04:
+# 64 f16 mma.sync + 96 cvt.f16x2.e4m3x2 per K step of the 64-row w8a8 tile; with the attribute,
+# wgmma m64n128k32 e4m3 and no conversion). Triton's own frontend sets 2**30 for fp8 on sm_90.
+# Here each fp8 dot accumulates its own contraction (<= 128 in every kernel: one scale block of
+# w8a8, the indexer's head dim) in the tensor cores' accumulator, ~14 significant bits on Hopper,
+# and the kernels promote to f32 between dots: DeepGEMM's scheme, and what SGLang's Triton w8a8
+# kernel runs. HISPARSE_FP8_TENSOR_CORE_DOTS=0 keeps Pallas' f16 path (A/B runs; read once).
+FP8_TENSOR_CORE_DOTS = os.environ.get("HISPARSE_FP8_TENSOR_CORE_DOTS", "1") != "0"
+_FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def _install_fp8_tensor_core_dots() -> None:
+    """Wraps Pallas' Triton lowering rule of dot_general (its registry is the extension point) so
+    that a dot of two fp8 operands carries maxNumImpreciseAcc = its contraction size."""
+    try:
+        from jax._src.lib.mlir import ir
+        from jax._src.pallas.triton import lowering
+    except ImportError:  # a JAX without Pallas' Triton lowering: nothing to set
+        return
+    rules = lowering.triton_lowering_rules
+    pallas_rule = rules.get(jax.lax.dot_general_p)
+    if pallas_rule is None or getattr(pallas_rule, "fp8_tensor_core_dots", False):
+        return
+
+    def rule(ctx, a, b, *, dimension_numbers, **params):
+        out = pallas_rule(ctx, a, b, dimension_numbers=dimension_numbers, **params)
+        if FP8_TENSOR_CORE_DOTS and all(aval.dtype in _FP8_DTYPES for aval in ctx.avals_in):
+            op = out.owner
+            for _ in range(4):  # the dot, or a cast of its accumulator
+                if op.operation.name == "tt.dot":
+                    (contract, _), _ = dimension_numbers
+                    size = ctx.avals_in[0].shape[contract[0]]
+                    op.operation.attributes["maxNumImpreciseAcc"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), size)
+                    break
+                op = op.operation.operands[0].owner
+            else:
+                raise AssertionError("Pallas' dot_general lowering no longer ends in a tt.dot: update common.py")
+        return out
+
+    rule.fp8_tensor_core_dots = True
+    rules[jax.lax.dot_general_p] = rule
+
+
+_install_fp8_tensor_core_dots()
 
 
 def resolve_implementation(implementation: str | None) -> str:

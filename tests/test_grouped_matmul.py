@@ -11,9 +11,17 @@ import numpy as np
 import pytest
 
 from models.common.fp8 import quantize
+from pallas_kernels import common
 from pallas_kernels.grouped_matmul import TritonConfig, dequantize, fp8_matmul, grouped_matmul, grouped_matmul_triton
 
 TOLERANCE = {jnp.dtype(jnp.bfloat16): (1e-2, 1e-2), jnp.dtype(jnp.float32): (1e-5, 1e-5)}  # (relative to max |ref|, floor)
+
+
+def w8a8_tolerance():
+    """The dtype whose tolerance a w8a8 kernel's f32 output meets against its reference: f32 in
+    the interpreter; on a GPU each fp8 dot (one K step of <= 128) accumulates on the fp8 tensor
+    cores (~14 significant bits on Hopper, pallas_kernels.common.FP8_TENSOR_CORE_DOTS), so bf16's."""
+    return jnp.bfloat16 if common.on_gpu() and common.FP8_TENSOR_CORE_DOTS else jnp.float32
 G, K, N = 4, 256, 256
 BLOCK = (128, 128)
 
@@ -104,7 +112,7 @@ def test_pallas_w8a8_equals_reference_over_quantised_rows(transpose, config):
     lhs_q = (q.astype(jnp.float32).reshape(M, -1, BLOCK[0]) * q_scale[..., None]).reshape(M, K)  # f32[M, K]
     ref_q = grouped_matmul(lhs_q, values, gs, rhs_scale=scale, transpose_rhs=transpose, implementation="reference",
                            preferred_element_type=jnp.float32)  # fmt: skip
-    assert_close(out, ref_q, jnp.float32)
+    assert_close(out, ref_q, w8a8_tolerance())
     rel = np.max(np.abs(out - np.asarray(ref))) / np.max(np.abs(np.asarray(ref)))
     assert 1e-4 < rel < 0.05, rel  # e4m3 activations: a few percent at most, and not the w8a16 numbers
 
@@ -167,7 +175,7 @@ def test_fp8_activations_pallas_equals_its_reference_and_refuses_what_it_cannot_
                          preferred_element_type=jnp.float32, fp8_activations=True)  # fmt: skip
     out = grouped_matmul(lhs, values, gs, rhs_scale=scale, transpose_rhs=True, implementation="pallas",
                          preferred_element_type=jnp.float32, fp8_activations=True)  # fmt: skip
-    assert_close(out, ref, jnp.float32)
+    assert_close(out, ref, w8a8_tolerance())
     assert np.all(np.asarray(out)[sum(sizes):] == 0)
     w8a16 = grouped_matmul(lhs, values, gs, rhs_scale=scale, transpose_rhs=True, implementation="reference", preferred_element_type=jnp.float32)
     rel = np.max(np.abs(np.asarray(ref) - np.asarray(w8a16))) / np.max(np.abs(np.asarray(w8a16)))
@@ -219,4 +227,4 @@ def test_a_model_with_fp8_activations_runs_w8a8_everywhere():
     w8a8_pallas = logits(base.replace(fp8_activations=True), "pallas")
     scale = np.abs(w8a16).max()
     assert 1e-4 < np.abs(w8a8 - w8a16).max() / scale < 0.1
-    assert np.abs(w8a8_pallas - w8a8).max() / scale < 1e-4
+    assert np.abs(w8a8_pallas - w8a8).max() / scale < (1e-4 if w8a8_tolerance() == jnp.float32 else 1e-2)

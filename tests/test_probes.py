@@ -233,6 +233,32 @@ def test_kernel_resources_compiles_the_kernels_of_a_case(tmp_path):
     assert kernels["hisparse_indexer_topk_split"]["registers"] < 255 and kernels["hisparse_indexer_topk_split"]["programs"] == 9 * 64
 
 
+def test_kernel_resources_counts_tensor_core_instructions_by_kind():
+    from benchmarks.probes import kernel_resources as kr
+
+    ptx = """
+        wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%f1}, %rd1, %rd2, p, 1, 1;
+        wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%f2}, %rd3, %rd4, p, 1, 1;
+        mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f3}, {%r1}, {%r2}, {%f4};
+        cvt.rn.f16x2.e4m3x2 %r5, %rs1;
+        wgmma.fence.sync.aligned;
+    """
+    assert kr.mma_kinds(ptx) == {"cvt.f16x2.fp8": 1, "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32": 1,
+                                 "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3": 2}  # fmt: skip
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (pip install triton==3.6.0) to compile the kernels")
+def test_w8a8_and_fp8_query_scoring_compile_to_fp8_wgmma():
+    """With Triton installed: the fp8 x fp8 dots (pallas_kernels.common.FP8_TENSOR_CORE_DOTS)
+    compile to Hopper's fp8 wgmma with no fp8 -> f16 conversion."""
+    from benchmarks.probes import kernel_resources as kr
+
+    for case in ("w8a8/o_proj_M50", "indexer_scores/deepseek_50x40960_fp8q"):
+        (row,) = kr.run_case(case)
+        assert "error" not in row, row
+        assert [k for k in row["mma"] if k.startswith("wgmma") and k.endswith("e4m3.e4m3")] and "cvt.f16x2.fp8" not in row["mma"], row
+
+
 def test_probes_exit_1_naming_what_failed(capsys):
     from benchmarks.helpers import checks_exit_status
 

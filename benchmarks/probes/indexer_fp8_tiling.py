@@ -43,6 +43,7 @@ from absl import app, flags  # noqa: E402
 from benchmarks import indexer_device_bench as bench  # noqa: E402
 from benchmarks.helpers import checks_exit_status  # noqa: E402
 from models.dsa.indexer import decode_topk, quantize_keys, quantize_queries  # noqa: E402
+from pallas_kernels import common  # noqa: E402
 
 flags.DEFINE_string("out", "indexer_fp8_tiling.json", "Where the JSON goes.")
 flags.DEFINE_list("sizes", ["37x61440x64", "23x40960x32", "47x32768x64", "1x61440x64"], "batch x context x heads.")
@@ -153,10 +154,13 @@ def run_size(b: int, context: int, heads: int, variants, calls: int, seed: int, 
         q, w = in_format(queries[:1], fmt)[0]
         args = (q, w, keys, scales, jnp.asarray(positions))
         reference = scorer(None)(*args)
+        terms = None
+        if fmt == "fp8" and common.on_gpu() and common.FP8_TENSOR_CORE_DOTS:  # the fp8 tensor cores' accumulation
+            terms = scorer(None)(*(jnp.abs(x.astype(jnp.float32)).astype(x.dtype) for x in args[:3]), scales, args[4])
         for tuning in variants:
             got = bench._guard(lambda: scorer(tuning)(*args))
-            checks[fmt, json.dumps(tuning, sort_keys=True)] = got if isinstance(got, str) else bench.check_scores(got, reference, positions)
-        del reference
+            checks[fmt, json.dumps(tuning, sort_keys=True)] = got if isinstance(got, str) else bench.check_scores(got, reference, positions, terms)
+        del reference, terms
     entry["checks"] = {f"{fmt} {tuning}": check for (fmt, tuning), check in checks.items()}
     del keys, scales
     # Timing: every request at the full context.

@@ -19,6 +19,7 @@ Prints one line per kernel and writes JSON.
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
@@ -117,7 +118,18 @@ def compile_module(text: str, num_warps: int, num_stages: int) -> dict:
         report = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "kernel.cubin")], capture_output=True, text=True, check=True).stderr
     number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, report)) else 0  # noqa: E731
     return {"registers": number(r"Used (\d+) registers"), "spill_stores": number(r"(\d+) bytes spill stores"),
-            "spill_loads": number(r"(\d+) bytes spill loads"), "shared_bytes": int(kernel.metadata.shared)}  # fmt: skip
+            "spill_loads": number(r"(\d+) bytes spill loads"), "shared_bytes": int(kernel.metadata.shared),
+            "mma": mma_kinds(kernel.asm["ptx"])}  # fmt: skip
+
+
+def mma_kinds(ptx: str) -> dict:
+    """Tensor-core instructions in the PTX by kind (wgmma: Hopper's; mma.sync: the Ampere form,
+    which an fp8 dot reaches only through f16), and the fp8 -> f16 conversions: the static count
+    in the text (a loop body once), not how often they run."""
+    kinds = collections.Counter(re.findall(r"\b(wgmma\.mma_async[\w.]*|mma\.sync[\w.]*)", ptx))
+    if converts := len(re.findall(r"\bcvt\.rn\.f16x2\.e[45]m[23]x2\b", ptx)):
+        kinds["cvt.f16x2.fp8"] = converts
+    return dict(sorted(kinds.items()))
 
 
 # ---- the cases: one kernel entry each, at a rank's shapes --------------------------------------
@@ -168,11 +180,22 @@ def _fp8_attention(R, heads, form, K=2048, slots=4096):
     return fn, (S((R, heads, 576), BF16), S((1, R, slots, layout.width), U32), S((), I32), S((R, K), I32))
 
 
-def _w8a8(M, N, K):
-    from pallas_kernels.grouped_matmul import fp8_matmul
+def _w8a8(M, N, K, **tile):
+    """A dense block-FP8 projection, w8a8 (w8a8_config's tile, changed by `tile`)."""
+    from pallas_kernels.grouped_matmul import fp8_matmul, w8a8_config
 
-    fn = functools.partial(fp8_matmul, implementation="pallas", fp8_activations=True)
+    config = w8a8_config(M, 1, K, N).replace(**tile) if tile else None
+    fn = functools.partial(fp8_matmul, implementation="pallas", fp8_activations=True, config=config)
     return fn, (S((M, K), BF16), S((N, K), F8), S((N // 128, K // 128), F32))
+
+
+def _w8a8_experts(M, G, N, K, **tile):
+    """The routed experts' grouped GEMM, w8a8, [G, N, K] weights as the checkpoints store them."""
+    from pallas_kernels.grouped_matmul import grouped_matmul, w8a8_config
+
+    config = w8a8_config(M, G, K, N).replace(**tile) if tile else None
+    fn = functools.partial(grouped_matmul, transpose_rhs=True, implementation="pallas", fp8_activations=True, config=config)
+    return lambda x, w, s, g: fn(x, w, g, rhs_scale=s), (S((M, K), BF16), S((G, N, K), F8), S((G, N // 128, K // 128), F32), S((G,), I32))
 
 
 CASES = {
@@ -198,6 +221,10 @@ CASES = {
     "w8a8/q_b_M50": lambda: _w8a8(50, 24576, 1536),
     "w8a8/o_proj_M50": lambda: _w8a8(50, 7168, 16384),
     "w8a8/o_proj_M12": lambda: _w8a8(12, 7168, 16384),
+    "w8a8/o_proj_M12_swap": lambda: _w8a8(12, 7168, 16384, block_m=16, m_subtiles=1, swap_ab=True),
+    "w8a8/o_proj_M50_swap64": lambda: _w8a8(50, 7168, 16384, block_m=64, swap_ab=True),
+    "w8a8/experts_gate_up_M400": lambda: _w8a8_experts(400, 32, 4096, 7168),  # DeepSeek-V3.2's 50 running, top-8
+    "w8a8/experts_gate_up_M400_swap": lambda: _w8a8_experts(400, 32, 4096, 7168, block_m=16, m_subtiles=1, swap_ab=True),
 }
 
 
@@ -242,7 +269,8 @@ def main(argv):
             else:
                 print(f"{r['case']:44s} {r['kernel']:36s} warps {r['num_warps']:2d} stages {r['num_stages']} regs {r['registers']:3d} "
                       f"spills {r['spill_stores']:4d}/{r['spill_loads']:4d} smem {r['shared_bytes'] / 1024:6.1f} KB -> "
-                      f"{r['programs_per_sm']:2d}/SM ({r['bound_by']}), {r['programs']} programs = {r['waves']} waves", flush=True)
+                      f"{r['programs_per_sm']:2d}/SM ({r['bound_by']}), {r['programs']} programs = {r['waves']} waves"
+                      + "".join(f"; {kind} x{n}" for kind, n in r["mma"].items()), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
     with open(FLAGS.out, "w") as f:
         json.dump({"note": "estimates from pip Triton's compile of the lowered modules (sm_90), not measurements", "kernels": results}, f, indent=1)
