@@ -8,7 +8,8 @@ How: each case lowers one kernel entry for "cuda" against an abstract H200 with 
 lowering (not the CPU interpreter). Each pallas_call's Triton module is kept as text as Pallas
 makes it, and its launch (num_warps, num_stages, grid) read from the custom call's backend
 config. Triton (pip) compiles the module for sm_90 to PTX, and its ptxas (-v) reports registers
-and spills; Triton's metadata the shared memory. Programs per SM follow from the H200's limits
+and spills; Triton's metadata the shared memory; the PTX its tensor-core instructions by kind
+(`mma_kinds`: wgmma or the Ampere mma.sync, and fp8 -> f16 conversions). Programs per SM follow from the H200's limits
 (65,536 registers, 2,048 threads, 32 blocks and 228 KB of shared memory per SM, 227 KB per
 block; registers allocated per warp in units of 256), waves from the grid over 132 SMs.
 
