@@ -21,15 +21,17 @@ def _dot_precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _online_softmax(running_max, total, scores, valid):
+def _online_softmax(running_max, total, scores, valid, keys_axis: int = 1):
     """One key block of flash attention's running softmax: scores f32[block_h, block_k] (valid
     bool[block_k] masks keys) -> (new running max f32[block_h], new total f32[block_h], rescale
-    f32[block_h] for the accumulators, weights f32[block_h, block_k])."""
-    scores = jnp.where(valid[None, :], scores, MASKED)
-    new_max = jnp.maximum(running_max, jnp.max(scores, axis=1))
+    f32[block_h] for the accumulators, weights f32[block_h, block_k]). keys_axis 0: scores and
+    weights are [block_k, block_h] (keys_major)."""
+    heads_axis = 1 - keys_axis
+    scores = jnp.where(jnp.expand_dims(valid, heads_axis), scores, MASKED)
+    new_max = jnp.maximum(running_max, jnp.max(scores, axis=keys_axis))
     rescale = jnp.exp(running_max - new_max)
-    weights = jnp.exp(scores - new_max[:, None])
-    return new_max, total * rescale + jnp.sum(weights, axis=1), rescale, weights
+    weights = jnp.exp(scores - jnp.expand_dims(new_max, keys_axis))
+    return new_max, total * rescale + jnp.sum(weights, axis=keys_axis), rescale, weights
 
 
 class _RowReader:
@@ -111,6 +113,7 @@ def _attention_kernel(
     num_splits: int,
     interpret: bool,
     reads_host: bool = False,
+    keys_major: bool = False,
 ):
     host_refs, out_refs, kv_out_ref = _split_refs(refs, reads_host)
     r, head_block = pl.program_id(0), pl.program_id(1)
@@ -133,14 +136,17 @@ def _attention_kernel(
         rows = _RowReader(kv_ref, host_refs, kv_out_ref, layer, r, head_block, slot, valid, k, K, interpret)
         keys = [rows.block(o, s) for o, s in key_pieces]  # row[block_k, s] each
         rows.write_back()  # every read issued: the host rows die here, before the dots (registers)
+        pairs = [(kk, q) if keys_major else (q, kk) for q, kk in zip(queries, keys)]
         scores = sum(
-            jax.lax.dot_general(q, kk, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
-            for q, kk in zip(queries, keys)
-        ) * sm_scale  # f32[block_h, block_k]
-        new_max, total, rescale, weights = _online_softmax(running_max, total, scores, valid)
+            jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+            for a, b in pairs
+        ) * sm_scale  # f32[block_h, block_k], or [block_k, block_h] keys_major
+        new_max, total, rescale, weights = _online_softmax(running_max, total, scores, valid, keys_axis=0 if keys_major else 1)
+        contract = 0 if keys_major else 1  # the weights' key axis
         accs = [
             acc * rescale[:, None]
-            + jax.lax.dot(weights.astype(kv_ref.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+            + jax.lax.dot_general(weights.astype(kv_ref.dtype), v, (((contract,), (0,)), ((), ())), precision=precision,
+                                  preferred_element_type=jnp.float32)  # fmt: skip
             for acc, v in zip(accs, keys[: len(value_pieces)])
         ]
         return new_max, total, accs
@@ -457,6 +463,14 @@ FP8_LAUNCH = dict(block_h=64, block_k=64, num_warps=8, num_stages=1)
 # first_call_s), so the planes kernel did not cause the rank engine's slower start that
 # session (292.7 s vs 176.5 s; its cause was not found).
 DEFAULT_FP8_FORM = "dequantize_first"
+# q . k as keys x heads (scores^T) instead of heads x keys. Triton gives a dot whose result feeds
+# another dot (flash attention's chain) all its warps along M; with the default 64-head blocks and
+# 8 warps that is two warpgroups over 64 rows, each computing the whole [64, block_k] scores (the
+# PTX holds wgmma m64n32k16 for both halves of the keys in each warpgroup: q . k, 53% of the FLOPs,
+# done twice; pip Triton 3.6 for sm_90, benchmarks/probes/kernel_resources.py, 2026-12-04).
+# keys_major with 128-key blocks puts the keys on M, one warpgroup a half. Not yet timed on the
+# H200: off until attention_h200.sh's keys-major rows say otherwise.
+KEYS_MAJOR = False
 
 
 def _plane_widths(layout) -> tuple[int, int]:
@@ -474,7 +488,7 @@ def _check_fp8_form(form: str, layout) -> None:
 @common.lower_once
 def sparse_mla_attention_pallas(
     query, kv, layer, slots, *, latent_dim, sm_scale, layout=None, block_h=None, block_k=None, num_warps=None, num_stages=None,
-    num_splits=None, fp8_form=None,
+    num_splits=None, fp8_form=None, keys_major=None,
 ):
     """The Pallas kernel: shapes as sparse_mla_attention_reference; the launch shape defaults
     to default_launch_shape(R, H). One program per (request, head block), or with num_splits
@@ -483,10 +497,11 @@ def sparse_mla_attention_pallas(
     dequantised in the kernel; its matmuls run in the query's dtype (bf16, or f32 at full
     precision for an f32 query), as plain rows' run in the row dtype. fp8_form (fp8 rows; default
     DEFAULT_FP8_FORM): how the kernel reads the packed bytes, one of FP8_FORMS (see
-    _fp8_planes_kernel and plane_permutation)."""
+    _fp8_planes_kernel and plane_permutation). keys_major (rows the kernel reads unpacked: plain
+    and dequantize_first; default KEYS_MAJOR): q . k computed as keys x heads (see KEYS_MAJOR)."""
     return _attention_pallas(
         query, kv, layer, slots, None, latent_dim=latent_dim, sm_scale=sm_scale, layout=layout, block_h=block_h, block_k=block_k,
-        num_warps=num_warps, num_stages=num_stages, num_splits=num_splits, fp8_form=fp8_form,
+        num_warps=num_warps, num_stages=num_stages, num_splits=num_splits, fp8_form=fp8_form, keys_major=keys_major,
     )
 
 
@@ -520,7 +535,7 @@ def sparse_mla_attention_reading_host_pallas(
 
 def _attention_pallas(
     query, kv, layer, slots, host, *, latent_dim, sm_scale, layout=None, block_h=None, block_k=None, num_warps=None, num_stages=None,
-    num_splits=None, fp8_form=None,
+    num_splits=None, fp8_form=None, keys_major=None,
 ):
     """The launch behind both entries; host: None, or (host_slots i32[R, K], pool row[L, S_host,
     W]) -> (out, kv) with the misses read from the pool and placed in kv."""
@@ -530,7 +545,11 @@ def _attention_pallas(
         return _dequantize_then_attend(
             query, kv, layer, slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=layout, block_h=block_h, block_k=block_k,
             num_warps=num_warps, num_stages=num_stages, num_splits=num_splits, in_kernel=fp8_form == "dequantize_kernel",
+            keys_major=keys_major,
         )
+    keys_major = KEYS_MAJOR if keys_major is None else keys_major
+    if keys_major and is_quantized(layout):
+        raise ValueError(f"keys_major applies to rows the kernel reads unpacked (plain rows, dequantize_first), not fp8_form {fp8_form!r}")
     R, H, _ = query.shape
     shape = default_launch_shape(R, H, is_quantized(layout))
     block_h = block_h or shape["block_h"]
@@ -582,6 +601,7 @@ def _attention_pallas(
             block_k=block_k,
             num_splits=num_splits,
             interpret=common.interpret_mode(),
+            keys_major=keys_major,
         )
     f32 = jnp.float32
     out_shape = [jax.ShapeDtypeStruct((R, H, latent_dim), f32)]
