@@ -8,10 +8,13 @@ OUT=${OUT:-outputs/attention}
 mkdir -p "$OUT"
 export JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 # keys_major (KEYS_MAJOR in pallas_kernels/sparse_mla_attention/pallas_triton.py): q . k as keys x
-# heads over 128-key blocks, so that the two warpgroups no longer both compute the whole scores.
+# heads over 128-key blocks, so that the two warpgroups no longer both compute the whole scores;
+# transposed_acc: the values' product as [columns, heads] too.
 FP8_TUNINGS=${FP8_TUNINGS:-'[{"fp8_form": "planes"}, {"fp8_form": "interleave"}, {"fp8_form": "dequantize_first", "block_h": 64, "block_k": 64, "num_stages": 4}, {"fp8_form": "dequantize_kernel"},
- {"fp8_form": "dequantize_first", "keys_major": true, "block_k": 128, "num_stages": 1}]'}
-BF16_TUNINGS=${BF16_TUNINGS:-'[{"num_stages": 2}, {"num_stages": 4}, {"keys_major": true, "block_k": 128, "num_stages": 1}]'}
+ {"fp8_form": "dequantize_first", "keys_major": true, "block_k": 128, "num_stages": 1},
+ {"fp8_form": "dequantize_first", "keys_major": true, "transposed_acc": true, "block_k": 128, "num_stages": 1}]'}
+BF16_TUNINGS=${BF16_TUNINGS:-'[{"num_stages": 2}, {"num_stages": 4}, {"keys_major": true, "block_k": 128, "num_stages": 1},
+ {"keys_major": true, "transposed_acc": true, "block_k": 128, "num_stages": 1}]'}
 timeout ${TEST_TIMEOUT:-120} python3 -m pytest -q -n 0 -p no:cacheprovider -W ignore --tb=short \
   tests/test_attention_layer.py -k "fp8" 2>&1 | tee "$OUT/attention_tests.log" | tail -8
 timeout ${BENCH_TIMEOUT:-420} python3 benchmarks/bench_kernels.py --sections=attention --notune --reps=5 --iters=8 \

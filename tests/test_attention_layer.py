@@ -767,13 +767,13 @@ def test_a_batch_smaller_than_the_slots_steps_the_first_slots(implementation):
 
 
 @pytest.mark.parametrize("layout_kind", ["float32", "fp8_e4m3"])
-@pytest.mark.parametrize("num_splits, keys_major", [(2, False), (3, False), (1, True), (3, True)])
-def test_split_k_attention_equals_the_reference(layout_kind, num_splits, keys_major):
+@pytest.mark.parametrize("num_splits, keys_major, transposed_acc", [(2, False, False), (3, False, False), (1, True, False), (3, True, True)])
+def test_split_k_attention_equals_the_reference(layout_kind, num_splits, keys_major, transposed_acc):
     """Flash-decoding's split-K: each program attends over its share of the key blocks and
     combine_splits merges them. 3 splits of 3 key blocks leave none empty, 2 splits an uneven
     share; request 2 selects nothing (zeros), request 1 has valid keys in one split only.
     keys_major: q . k as keys x heads and its softmax over the rows, split or not (fp8 rows:
-    through dequantize_first, the default form)."""
+    through dequantize_first, the default form); transposed_acc: the values' product too."""
     rng = np.random.default_rng(3)
     S, k = 24, 3 * 16  # 3 key blocks of 16 (the smallest block the kernel takes)
     values = rng.standard_normal((L, R, S, W)).astype(np.float32)
@@ -787,7 +787,7 @@ def test_split_k_attention_equals_the_reference(layout_kind, num_splits, keys_ma
     attend = dict(latent_dim=LATENT, sm_scale=SCALE, layout=layout)
     ref = np.asarray(sparse_mla_attention(query, kv, 1, jnp.asarray(slots), implementation="reference", **attend))
     got = np.asarray(sparse_mla_attention(query, kv, 1, jnp.asarray(slots), implementation="pallas", block_k=16, num_splits=num_splits,
-                                          keys_major=keys_major, **attend))  # fmt: skip
+                                          keys_major=keys_major, transposed_acc=transposed_acc, **attend))  # fmt: skip
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     np.testing.assert_array_equal(got[2], 0.0)
@@ -798,6 +798,9 @@ def test_split_k_attention_equals_the_reference(layout_kind, num_splits, keys_ma
     if keys_major and layout_kind == "fp8_e4m3":
         with pytest.raises(ValueError, match="keys_major applies to rows the kernel reads unpacked"):
             sparse_mla_attention(query, kv, 1, jnp.asarray(slots), implementation="pallas", keys_major=True, fp8_form="interleave", **attend)
+    if transposed_acc:
+        with pytest.raises(ValueError, match="transposed_acc multiplies keys-major weights"):
+            sparse_mla_attention(query, kv, 1, jnp.asarray(slots), implementation="pallas", keys_major=False, transposed_acc=True, **attend)
 
 
 def test_small_grids_split_the_keys():

@@ -165,10 +165,10 @@ def _copy(R, K=2048, words=164, context=40960, B=4096):
     return copy_host_rows_to_buffer_pallas, (S((1, R * context, words), U32), S((1, R, B, words), U32), S((), I32), S((R, K), I32), S((R, K), I32), S((R,), I32))
 
 
-def _attention(R, heads, K=2048):
+def _attention(R, heads, K=2048, **launch):
     from pallas_kernels.sparse_mla_attention.pallas_triton import sparse_mla_attention_pallas
 
-    fn = functools.partial(sparse_mla_attention_pallas, latent_dim=512, sm_scale=0.1)
+    fn = functools.partial(sparse_mla_attention_pallas, latent_dim=512, sm_scale=0.1, **launch)
     return fn, (S((R, heads, 576), BF16), S((1, R, K, 576), BF16), S((), I32), S((R, K), I32))  # dequantize_first's dense rows
 
 
@@ -217,6 +217,8 @@ CASES = {
     "copy_host_rows/R50_fp8": lambda: _copy(50),
     "attention/50x128_bf16": lambda: _attention(50, 128),
     "attention/128x128_bf16": lambda: _attention(128, 128),
+    "attention/50x128_bf16_keys_major": lambda: _attention(50, 128, keys_major=True, block_k=128, num_stages=1),
+    "attention/50x128_bf16_transposed_acc": lambda: _attention(50, 128, keys_major=True, transposed_acc=True, block_k=128, num_stages=1),
     "attention/50x128_fp8_dequantize_kernel": lambda: _fp8_attention(50, 128, "dequantize_kernel"),
     "attention/50x128_fp8_interleave": lambda: _fp8_attention(50, 128, "interleave"),
     "w8a8/q_b_M50": lambda: _w8a8(50, 24576, 1536),

@@ -34,6 +34,20 @@ def _online_softmax(running_max, total, scores, valid, keys_axis: int = 1):
     return new_max, total * rescale + jnp.sum(weights, axis=keys_axis), rescale, weights
 
 
+def _accumulate(acc, weights, values, rescale, keys_major: bool, transposed_acc: bool, precision):
+    """acc * rescale + weights . values in the layouts the launch picks: acc f32[block_h, s] ([s,
+    block_h] transposed_acc: values^T . weights, both dots then with keys or columns on M),
+    weights [block_h, block_k] ([block_k, block_h] keys_major), values [block_k, s]."""
+    if transposed_acc:
+        return acc * rescale[None, :] + jax.lax.dot_general(
+            values, weights, (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )
+    contract = 0 if keys_major else 1  # the weights' key axis
+    return acc * rescale[:, None] + jax.lax.dot_general(
+        weights, values, (((contract,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )
+
+
 class _RowReader:
     """Reads blocks of the selected rows of one key block: from the device rows kv (kv_ref), or,
     for entries with a host slot (reads_host: the misses of this step's swap-in), from the
@@ -114,6 +128,7 @@ def _attention_kernel(
     interpret: bool,
     reads_host: bool = False,
     keys_major: bool = False,
+    transposed_acc: bool = False,
 ):
     host_refs, out_refs, kv_out_ref = _split_refs(refs, reads_host)
     r, head_block = pl.program_id(0), pl.program_id(1)
@@ -142,21 +157,18 @@ def _attention_kernel(
             for a, b in pairs
         ) * sm_scale  # f32[block_h, block_k], or [block_k, block_h] keys_major
         new_max, total, rescale, weights = _online_softmax(running_max, total, scores, valid, keys_axis=0 if keys_major else 1)
-        contract = 0 if keys_major else 1  # the weights' key axis
-        accs = [
-            acc * rescale[:, None]
-            + jax.lax.dot_general(weights.astype(kv_ref.dtype), v, (((contract,), (0,)), ((), ())), precision=precision,
-                                  preferred_element_type=jnp.float32)  # fmt: skip
-            for acc, v in zip(accs, keys[: len(value_pieces)])
-        ]
+        weights = weights.astype(kv_ref.dtype)
+        accs = [_accumulate(acc, weights, v, rescale, keys_major, transposed_acc, precision) for acc, v in zip(accs, keys[: len(value_pieces)])]
         return new_max, total, accs
 
     init = (
         jnp.full((block_h,), _RUNNING_MAX_START, jnp.float32),
         jnp.zeros((block_h,), jnp.float32),
-        [jnp.zeros((block_h, s), jnp.float32) for _, s in value_pieces],
+        [jnp.zeros((s, block_h) if transposed_acc else (block_h, s), jnp.float32) for _, s in value_pieces],
     )
     running_max, total, accs = jax.lax.fori_loop(*_key_block_range(K, block_k, num_splits), body, init)
+    if transposed_acc:
+        accs = [acc.T for acc in accs]  # f32[block_h, s] each
     _store(out_refs, r, safe_heads, head_ok, value_pieces, accs, running_max, total, num_splits, interpret)
 
 
@@ -468,8 +480,11 @@ DEFAULT_FP8_FORM = "dequantize_first"
 # 8 warps that is two warpgroups over 64 rows, each computing the whole [64, block_k] scores (the
 # PTX holds wgmma m64n32k16 for both halves of the keys in each warpgroup: q . k, 53% of the FLOPs,
 # done twice; pip Triton 3.6 for sm_90, benchmarks/probes/kernel_resources.py, 2026-12-04).
-# keys_major with 128-key blocks puts the keys on M, one warpgroup a half. Not yet timed on the
-# H200: off until attention_h200.sh's keys-major rows say otherwise.
+# keys_major with 128-key blocks puts the keys on M, one warpgroup a half (the weights then cross
+# to the values' dot through shared memory); transposed_acc also accumulates [columns, heads], so
+# both dots keep their long side on M and one layout (compiled: 632 B of spills a thread against
+# keys_major's 728 and the default's 376). Not yet timed on the H200: off until attention_h200.sh's
+# rows say otherwise.
 KEYS_MAJOR = False
 
 
@@ -488,7 +503,7 @@ def _check_fp8_form(form: str, layout) -> None:
 @common.lower_once
 def sparse_mla_attention_pallas(
     query, kv, layer, slots, *, latent_dim, sm_scale, layout=None, block_h=None, block_k=None, num_warps=None, num_stages=None,
-    num_splits=None, fp8_form=None, keys_major=None,
+    num_splits=None, fp8_form=None, keys_major=None, transposed_acc=None,
 ):
     """The Pallas kernel: shapes as sparse_mla_attention_reference; the launch shape defaults
     to default_launch_shape(R, H). One program per (request, head block), or with num_splits
@@ -498,10 +513,12 @@ def sparse_mla_attention_pallas(
     precision for an f32 query), as plain rows' run in the row dtype. fp8_form (fp8 rows; default
     DEFAULT_FP8_FORM): how the kernel reads the packed bytes, one of FP8_FORMS (see
     _fp8_planes_kernel and plane_permutation). keys_major (rows the kernel reads unpacked: plain
-    and dequantize_first; default KEYS_MAJOR): q . k computed as keys x heads (see KEYS_MAJOR)."""
+    and dequantize_first; default KEYS_MAJOR): q . k computed as keys x heads (see KEYS_MAJOR);
+    transposed_acc (with keys_major): the values' product accumulated as [columns, heads]."""
     return _attention_pallas(
         query, kv, layer, slots, None, latent_dim=latent_dim, sm_scale=sm_scale, layout=layout, block_h=block_h, block_k=block_k,
         num_warps=num_warps, num_stages=num_stages, num_splits=num_splits, fp8_form=fp8_form, keys_major=keys_major,
+        transposed_acc=transposed_acc,
     )
 
 
@@ -535,7 +552,7 @@ def sparse_mla_attention_reading_host_pallas(
 
 def _attention_pallas(
     query, kv, layer, slots, host, *, latent_dim, sm_scale, layout=None, block_h=None, block_k=None, num_warps=None, num_stages=None,
-    num_splits=None, fp8_form=None, keys_major=None,
+    num_splits=None, fp8_form=None, keys_major=None, transposed_acc=None,
 ):
     """The launch behind both entries; host: None, or (host_slots i32[R, K], pool row[L, S_host,
     W]) -> (out, kv) with the misses read from the pool and placed in kv."""
@@ -545,11 +562,14 @@ def _attention_pallas(
         return _dequantize_then_attend(
             query, kv, layer, slots, latent_dim=latent_dim, sm_scale=sm_scale, layout=layout, block_h=block_h, block_k=block_k,
             num_warps=num_warps, num_stages=num_stages, num_splits=num_splits, in_kernel=fp8_form == "dequantize_kernel",
-            keys_major=keys_major,
+            keys_major=keys_major, transposed_acc=transposed_acc,
         )
     keys_major = KEYS_MAJOR if keys_major is None else keys_major
-    if keys_major and is_quantized(layout):
+    transposed_acc = bool(transposed_acc)
+    if (keys_major or transposed_acc) and is_quantized(layout):
         raise ValueError(f"keys_major applies to rows the kernel reads unpacked (plain rows, dequantize_first), not fp8_form {fp8_form!r}")
+    if transposed_acc and not keys_major:
+        raise ValueError("transposed_acc multiplies keys-major weights: it needs keys_major")
     R, H, _ = query.shape
     shape = default_launch_shape(R, H, is_quantized(layout))
     block_h = block_h or shape["block_h"]
@@ -602,6 +622,7 @@ def _attention_pallas(
             num_splits=num_splits,
             interpret=common.interpret_mode(),
             keys_major=keys_major,
+            transposed_acc=transposed_acc,
         )
     f32 = jnp.float32
     out_shape = [jax.ShapeDtypeStruct((R, H, latent_dim), f32)]
