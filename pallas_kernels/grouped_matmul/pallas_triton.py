@@ -47,7 +47,8 @@ by `fp8_conversion` because what the Triton in jaxlib accepts on sm90 is not yet
              per-token-group quantisation), the dot runs on fp8 x fp8 (on Hopper's fp8 tensor
              cores, each K step accumulated there, pallas_kernels.common.FP8_TENSOR_CORE_DOTS;
              through f16 mma.sync before 2026-12-04), and each K step's partial product is
-             multiplied by the rows' and the columns' scales in f32. Not the w8a16 numbers: the released models' own arithmetic.
+             multiplied by the rows' and the columns' scales in f32. Not the w8a16 numbers: the
+             released models' own arithmetic.
 
 Shape letters: M rows of lhs, K contraction, N output columns, G groups, S split_k,
 Kb = K / bk_s and Nb = N / bn_s scale blocks (bk_s x bn_s the scale block, 128 x 128 as published).

@@ -572,6 +572,8 @@ def _attention_pallas(
         raise ValueError("transposed_acc multiplies keys-major weights: it needs keys_major")
     R, H, _ = query.shape
     shape = default_launch_shape(R, H, is_quantized(layout))
+    if keys_major and shape["block_h"] >= 64:  # the wgmma launch: 128 keys on M, one warpgroup a half
+        shape = dict(shape, block_k=128, num_stages=1)  # two stages of 128 keys overflow shared memory
     block_h = block_h or shape["block_h"]
     block_k = block_k or shape["block_k"]
     num_warps = num_warps or shape["num_warps"]
