@@ -93,6 +93,12 @@ def _install_fp8_tensor_core_dots() -> None:
 _install_fp8_tensor_core_dots()
 
 
+def fp8_dots_round_in_mma() -> bool:
+    """Whether fp8 x fp8 dots here accumulate on the fp8 tensor cores (compiled kernels with
+    FP8_TENSOR_CORE_DOTS), so checks against a reference allow that rounding; the interpreter's are exact."""
+    return FP8_TENSOR_CORE_DOTS and not interpret_mode()
+
+
 def resolve_implementation(implementation: str | None) -> str:
     """The implementation an `implementation=` argument selects: "reference", "pallas" or "tpu"."""
     if implementation is None:

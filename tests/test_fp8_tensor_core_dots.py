@@ -14,8 +14,7 @@ import pytest
 from benchmarks.probes import kernel_resources
 from pallas_kernels import common
 
-F8, BF16, F32, I32 = jnp.float8_e4m3fn, jnp.bfloat16, jnp.float32, jnp.int32
-S = jax.ShapeDtypeStruct
+F8, BF16 = jnp.float8_e4m3fn, jnp.bfloat16
 
 
 def dots(fn, *args) -> list[str]:
@@ -30,25 +29,10 @@ def imprecise_acc(line: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def w8a8_projection(M: int, K: int = 512, N: int = 256):
-    from pallas_kernels.grouped_matmul import fp8_matmul
-
-    def project(x, w, scale):
-        return fp8_matmul(x, w, scale, implementation="pallas", fp8_activations=True)
-
-    return project, S((M, K), BF16), S((N, K), F8), S((N // 128, K // 128), F32)
-
-
-def indexer_scores(q_dtype, b: int = 4, heads: int = 64, context: int = 4096):
-    from pallas_kernels.indexer_scores import index_scores_masked_pallas
-
-    args = (S((b, heads, 128), q_dtype), S((b, heads), F32), S((1, b, context, 128), F8), S((1, b, context), F32), S((), I32), S((b,), I32))
-    return index_scores_masked_pallas, *args
-
-
 @pytest.mark.parametrize("M", [12, 50])  # the 16-row tile (two dots a weight tile) and the 64-row one
 def test_w8a8_dots_accumulate_each_k_step_on_the_fp8_tensor_cores(M):
-    lines = dots(*w8a8_projection(M))
+    fn, args = kernel_resources._w8a8(M, 256, 512)  # the probe's own case builders: M x K=512 -> N=256
+    lines = dots(fn, *args)
     assert lines and all("f8E4M3FN" in line for line in lines)
     # One dot per K step of <= 128 (one scale block): the kernel promotes to f32 between them.
     steps = {imprecise_acc(line) for line in lines}
@@ -56,15 +40,18 @@ def test_w8a8_dots_accumulate_each_k_step_on_the_fp8_tensor_cores(M):
 
 
 def test_indexer_fp8_queries_dot_on_the_fp8_tensor_cores_and_bf16_queries_as_before():
-    fp8 = dots(*indexer_scores(F8))
+    fn, args = kernel_resources._scores(4, 4096, 64, F8)
+    fp8 = dots(fn, *args)
     assert fp8 and all(imprecise_acc(line) == 128 for line in fp8), fp8  # the index head dim
-    bf16 = dots(*indexer_scores(BF16))
+    fn, args = kernel_resources._scores(4, 4096, 64, BF16)
+    bf16 = dots(fn, *args)
     assert bf16 and all("xbf16>" in line and imprecise_acc(line) is None for line in bf16), bf16
 
 
 def test_the_switch_leaves_fp8_dots_as_pallas_lowers_them(monkeypatch):
     monkeypatch.setattr(common, "FP8_TENSOR_CORE_DOTS", False)
-    lines = dots(*w8a8_projection(20, K=256))  # a shape no other test lowers (nothing cached)
+    fn, args = kernel_resources._w8a8(20, 256, 256)  # a shape no other test lowers (nothing cached)
+    lines = dots(fn, *args)
     assert lines and all(imprecise_acc(line) is None for line in lines), lines
 
 

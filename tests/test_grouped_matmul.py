@@ -21,7 +21,7 @@ def w8a8_tolerance():
     """The dtype whose tolerance a w8a8 kernel's f32 output meets against its reference: f32 in
     the interpreter; on a GPU each fp8 dot (one K step of <= 128) accumulates on the fp8 tensor
     cores (~14 significant bits on Hopper, pallas_kernels.common.FP8_TENSOR_CORE_DOTS), so bf16's."""
-    return jnp.bfloat16 if common.on_gpu() and common.FP8_TENSOR_CORE_DOTS else jnp.float32
+    return jnp.bfloat16 if common.fp8_dots_round_in_mma() else jnp.float32
 G, K, N = 4, 256, 256
 BLOCK = (128, 128)
 

@@ -69,7 +69,7 @@ def test_scores_kernel_matches_reference(key_dtype, blocks_per_program, keys_maj
     assert np.all(got[~visible] == -np.inf) and np.all(np.isfinite(got[visible]))
     np.testing.assert_array_equal(ref[~visible], -np.inf)
     floor = 1e-5 * np.abs(ref[visible]).max()  # different summation orders: an absolute floor
-    if key_dtype.endswith("+q8") and common.on_gpu() and common.FP8_TENSOR_CORE_DOTS:
+    if key_dtype.endswith("+q8") and common.fp8_dots_round_in_mma():
         # The fp8 x fp8 dot accumulates on the fp8 tensor cores (~14 significant bits on Hopper):
         # each score within 2**-8 of its terms' absolute sum (the scores of |q|, |w|, |keys|).
         q, w, keys = (jnp.abs(x.astype(jnp.float32)).astype(x.dtype) for x in inputs[:3])

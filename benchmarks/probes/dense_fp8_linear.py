@@ -183,7 +183,7 @@ def main(_):
     # Every tile must compute what the current one does (the same K-block promotions: bit for bit
     # while the dots run on f16 mma.sync; within 2**-8 when they accumulate on the fp8 tensor
     # cores, whose rounding follows the MMA shape) and the reference within the activations' e4m3 rounding.
-    fp8_cores = common.on_gpu() and common.FP8_TENSOR_CORE_DOTS
+    fp8_cores = common.fp8_dots_round_in_mma()
     bad = [r for r in results if (r.get("equal_to_current") is False and not fp8_cores) or r.get("max_rel_err_vs_current", 0) > 2.0**-8
            or r.get("max_rel_err_vs_reference", 0) > 0.1]  # fmt: skip
     return checks_exit_status(bad, len(results), "outputs differ from the current tile's or the reference")

@@ -155,7 +155,7 @@ def run_size(b: int, context: int, heads: int, variants, calls: int, seed: int, 
         args = (q, w, keys, scales, jnp.asarray(positions))
         reference = scorer(None)(*args)
         terms = None
-        if fmt == "fp8" and common.on_gpu() and common.FP8_TENSOR_CORE_DOTS:  # the fp8 tensor cores' accumulation
+        if fmt == "fp8" and common.fp8_dots_round_in_mma():  # the fp8 tensor cores' accumulation
             terms = scorer(None)(*(jnp.abs(x.astype(jnp.float32)).astype(x.dtype) for x in args[:3]), scales, args[4])
         for tuning in variants:
             got = bench._guard(lambda: scorer(tuning)(*args))
